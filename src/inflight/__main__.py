@@ -1,0 +1,5 @@
+import sys
+
+from inflight.cli import main
+
+sys.exit(main())

@@ -1,0 +1,56 @@
+"""The attention backend interface: write each step's K/V into the paged cache at
+its slots, then attend every query token over its own request's blocks.
+
+A step is one flat list of ``T`` tokens from ``B`` requests. Request ``i`` owns
+tokens ``query_start_loc[i]:query_start_loc[i+1]``, at positions
+``context_lens[i]`` onwards; after the step its KV spans ``seq_lens[i]``
+positions, stored in the blocks of ``block_table[i]``. Token ``t`` is written
+to slot ``slot_mapping[t]`` = block id * block_size + offset in block.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """Where one step's tokens come from and where their KV goes (host arrays)."""
+
+    query_start_loc: np.ndarray  # [B+1] int64
+    context_lens: np.ndarray     # [B] int64, tokens already cached before the step
+    seq_lens: np.ndarray         # [B] int64, context_lens + query lengths
+    block_table: np.ndarray      # [B, max_blocks] int64, unused entries 0
+    slot_mapping: np.ndarray     # [T] int64
+    block_size: int
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+
+class AttentionBackend(ABC):
+    """One implementation per device family; the model calls ``forward`` per layer
+    with the metadata built once per step."""
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
+                          num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                          device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (K, V) storage for ``num_blocks`` blocks."""
+
+    @abstractmethod
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> Any:
+        """Device tensors and precomputed masks for one step, shared by all layers."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any, *,
+                scale: float, sliding_window: int | None) -> torch.Tensor:
+        """Store k/v ``[T, Hkv, D]`` into the cache, then attend q ``[T, Hq, D]``
+        causally over each request's context; returns ``[T, Hq * D]``."""

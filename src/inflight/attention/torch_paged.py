@@ -1,0 +1,168 @@
+"""Reference paged attention in plain PyTorch; runs on any device.
+
+The cache is stored head-major, ``[num_kv_heads, num_blocks, block_size,
+head_dim]`` per layer for K and for V, so gathering a request's blocks yields a
+contiguous ``[heads, tokens, head_dim]`` matrix per head.
+
+Decode tokens (one query token per request) are attended together: their
+blocks are gathered into a padded batch and handled by two batched matrix
+products with a padding mask. Requests with several query tokens (prompts and
+prompt chunks) go through ``scaled_dot_product_attention`` one by one, reading
+fresh K/V directly when they have no cached context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from inflight.attention.backend import AttentionBackend, BatchLayout
+
+
+@dataclass
+class _DecodeBatch:
+    rows: torch.Tensor | None  # token indices of the decodes; None when every token is one
+    block_table: torch.Tensor  # [Bd, nb] int64
+    seq_lens: torch.Tensor     # [Bd, 1] int64
+    key_positions: torch.Tensor  # [nb * block_size] int64
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [Bd, 1, L]: 0 where a key is visible, -inf elsewhere."""
+        bias = self.masks.get(window)
+        if bias is None:
+            visible = self.key_positions < self.seq_lens
+            if window is not None:
+                visible &= self.key_positions >= self.seq_lens - window
+            bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            bias.masked_fill_(~visible, float("-inf"))
+            bias = bias.unsqueeze(1)
+            self.masks[window] = bias
+        return bias
+
+
+@dataclass
+class _Prefill:
+    start: int
+    end: int
+    context_len: int
+    blocks: torch.Tensor | None  # the request's block ids, when it has cached context
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """Boolean [q, kv] mask (True = attend), or None for plain causal attention."""
+        if window not in self.masks:
+            q_len = self.end - self.start
+            kv_len = self.context_len + q_len
+            if self.context_len == 0 and (window is None or window >= q_len):
+                self.masks[window] = None
+            else:
+                q_pos = torch.arange(self.context_len, kv_len, device=device).unsqueeze(1)
+                k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
+                visible = k_pos <= q_pos
+                if window is not None:
+                    visible &= k_pos > q_pos - window
+                self.masks[window] = visible
+        return self.masks[window]
+
+
+@dataclass
+class TorchPagedMetadata:
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    block_size: int
+    decode: _DecodeBatch | None
+    prefills: list[_Prefill]
+
+
+class TorchPagedBackend(AttentionBackend):
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
+                          num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                          device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # Zeroed, so that padding read under a mask is always finite (0 * inf is nan).
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=device),
+                 torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchPagedMetadata:
+        bs = layout.block_size
+        query_lens = layout.query_lens
+        is_decode = query_lens == 1
+        decode = None
+        if is_decode.any():
+            rows = np.flatnonzero(is_decode)
+            seq_lens = layout.seq_lens[rows]
+            num_blocks = int(-(-seq_lens.max() // bs))
+            decode = _DecodeBatch(
+                rows=None if len(rows) == layout.slot_mapping.shape[0]
+                else torch.from_numpy(layout.query_start_loc[rows]).to(device),
+                block_table=torch.from_numpy(
+                    np.ascontiguousarray(layout.block_table[rows, :num_blocks])).to(device),
+                seq_lens=torch.from_numpy(seq_lens).to(device).unsqueeze(1),
+                key_positions=torch.arange(num_blocks * bs, device=device))
+        prefills = []
+        for i in np.flatnonzero(~is_decode):
+            ctx = int(layout.context_lens[i])
+            blocks = None
+            if ctx > 0:
+                num_blocks = -(-int(layout.seq_lens[i]) // bs)
+                blocks = torch.from_numpy(layout.block_table[i, :num_blocks].copy()).to(device)
+            prefills.append(_Prefill(int(layout.query_start_loc[i]),
+                                     int(layout.query_start_loc[i + 1]), ctx, blocks))
+        return TorchPagedMetadata(
+            slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
+            num_tokens=int(layout.slot_mapping.shape[0]), block_size=bs,
+            decode=decode, prefills=prefills)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: TorchPagedMetadata, *,
+                scale: float, sliding_window: int | None) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+        flat_shape = (num_kv_heads, num_blocks * block_size, head_dim)
+        k_cache.view(flat_shape).index_copy_(1, metadata.slot_mapping, k.transpose(0, 1))
+        v_cache.view(flat_shape).index_copy_(1, metadata.slot_mapping, v.transpose(0, 1))
+
+        num_tokens, num_heads, _ = q.shape
+        if metadata.decode is not None and not metadata.prefills:
+            return self._decode(q, k_cache, v_cache, metadata.decode, scale, sliding_window)
+        out = q.new_empty(num_tokens, num_heads * head_dim)
+        if metadata.decode is not None:
+            rows = metadata.decode.rows
+            out[rows] = self._decode(q[rows], k_cache, v_cache, metadata.decode, scale,
+                                     sliding_window)
+        for p in metadata.prefills:
+            qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            if p.blocks is None:
+                kp = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
+                vp = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            else:
+                kv_len = p.context_len + p.end - p.start
+                kp = k_cache.index_select(1, p.blocks).view(
+                    num_kv_heads, -1, head_dim)[:, :kv_len].unsqueeze(0)
+                vp = v_cache.index_select(1, p.blocks).view(
+                    num_kv_heads, -1, head_dim)[:, :kv_len].unsqueeze(0)
+            mask = p.mask(sliding_window, q.device)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
+                                               scale=scale, enable_gqa=True)
+            out[p.start:p.end] = o.squeeze(0).transpose(0, 1).reshape(p.end - p.start, -1)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: _DecodeBatch, scale: float, window: int | None) -> torch.Tensor:
+        num_kv_heads, _, block_size, head_dim = k_cache.shape
+        num_seqs, num_heads, _ = q.shape
+        group = num_heads // num_kv_heads
+        index = batch.block_table.view(-1)
+        keys = k_cache.index_select(1, index).view(num_kv_heads, num_seqs, -1, head_dim)
+        values = v_cache.index_select(1, index).view(num_kv_heads, num_seqs, -1, head_dim)
+        qg = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale)
+        scores.add_(batch.mask(window, scores.dtype))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, values)  # [Hkv, Bd, G, D]
+        return out.transpose(0, 1).reshape(num_seqs, num_heads * head_dim)

@@ -1,0 +1,93 @@
+"""Command line: ``inflight generate ...`` (more subcommands as they land).
+
+Every EngineConfig field is a flag with the same name, dashed
+(``--max-num-seqs``, ``--kv-cache-memory 2GiB``, ``--no-enable-chunked-prefill``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+import typing
+from collections.abc import Sequence
+
+from inflight.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
+        kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        if f.name == "kv_cache_memory":
+            kind = str
+        group.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from inflight import LLM, SamplingParams
+
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+    start = time.perf_counter()
+    if args.chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        if args.system:
+            messages.insert(0, {"role": "system", "content": args.system})
+        output = llm.chat(messages, params, use_tqdm=False)[0]
+    else:
+        output = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    elapsed = time.perf_counter() - start
+    completion = output.outputs[0]
+    print(completion.text)
+    print(f"[{len(output.prompt_token_ids)} prompt + {len(completion.token_ids)} generated tokens "
+          f"in {elapsed:.2f} s, finish_reason={completion.finish_reason}; "
+          f"model loaded in {llm.engine.load_seconds:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inflight", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

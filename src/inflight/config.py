@@ -1,0 +1,89 @@
+"""EngineConfig: every engine option in one validated dataclass. The CLI exposes
+the same names, dashed (``max_num_seqs`` is ``--max-num-seqs``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"2GiB"``, ``"512MB"`` or ``"1e9"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+        if match and match.group(2).lower() in _SIZE_UNITS:
+            try:
+                return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+            except ValueError:
+                pass
+    raise ValueError(f"kv_cache_memory must be a byte count such as 2147483648 or '2GiB', got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Engine options. ``model=None`` loads the default model (SmolLM2-135M-Instruct)."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    # "auto" picks CUDA when available, else the CPU.
+    device: str = "auto"
+    seed: int = 0
+    # Context limit; None takes the model's, capped by what the KV cache holds.
+    max_model_len: int | None = None
+    block_size: int = 16
+    # KV cache size as bytes (int or "2GiB"); num_kv_blocks, when set, wins.
+    kv_cache_memory: int | str = 2 * 2**30
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    # Load no tokenizer: prompts must then be token ids, outputs carry no text.
+    skip_tokenizer_init: bool = False
+    # Torch intra-op threads; None keeps torch's default (one per core).
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a path or None, got {self.model!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device must be 'auto' or a torch device string, got {self.device!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            positive_int(name)
+        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+            positive_int(name, allow_none=True)
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        from inflight.core.policy import POLICIES
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Build from keyword options, naming any unknown one in a ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; "
+                             f"known options are {', '.join(sorted(known))}")
+        return cls(**options)

@@ -1,0 +1,103 @@
+"""A request's scheduling state: its tokens, how many have KV in the cache, status
+and timestamps.
+
+There is no separate "prefill" or "decode" phase: ``num_computed_tokens`` counts
+the tokens whose KV is cached, and whatever lies between it and ``num_tokens``
+is still to be computed (a whole prompt, a chunk's remainder, or the one token
+sampled last step).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from inflight.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the values are what the APIs report."""
+
+    STOP = "stop"      # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"    # cancelled by the caller
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Request:
+    """One sequence being generated. ``max_tokens`` is already resolved against the
+    context limit; ``stop_token_ids`` holds the EOS ids too unless ``ignore_eos``."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, max_tokens: int,
+                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
+                 priority: int = 0) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        # The stop token id or stop string that ended the request, if any.
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.eos_token_ids = eos_token_ids
+        stop_ids = frozenset(sampling_params.stop_token_ids)
+        self.stop_token_ids = stop_ids if sampling_params.ignore_eos else stop_ids | eos_token_ids
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def check_stop(self, max_model_len: int) -> FinishReason | None:
+        """The token-level stop check after a token was appended (stop strings are
+        the detokenizer's job)."""
+        last = self.all_token_ids[-1]
+        if self.num_output_tokens >= self.sampling_params.min_tokens and last in self.stop_token_ids:
+            if last not in self.eos_token_ids:
+                self.stop_reason = last
+            return FinishReason.STOP
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")

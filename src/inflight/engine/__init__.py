@@ -1,0 +1,1 @@
+"""The engine loop, its offline API and output processing."""

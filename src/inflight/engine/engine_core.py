@@ -1,0 +1,188 @@
+"""EngineCore: the continuous-batching loop, one ``step()`` at a time.
+
+``step()`` = schedule -> run the model on the mixed batch -> apply the sampled
+tokens (finishing and freeing what hit a stop condition) -> detokenize and
+return the outputs of every request that progressed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from inflight.attention.torch_paged import TorchPagedBackend
+from inflight.config import EngineConfig
+from inflight.core.kv_cache_manager import KVCacheManager
+from inflight.core.policy import make_policy
+from inflight.core.request import FinishReason, Request
+from inflight.core.sampling_params import SamplingParams
+from inflight.core.scheduler import Scheduler
+from inflight.engine.output import OutputProcessor, RequestOutput
+from inflight.model.loader import (eos_token_ids, iter_safetensors, model_display_name,
+                                   read_model_config, resolve_model_dir)
+from inflight.model.registry import get_model_class
+from inflight.model.tokenizer import Tokenizer
+from inflight.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        start = time.perf_counter()
+        self.device = resolve_device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        model_dir = resolve_model_dir(config.model)
+        self.model_name = model_display_name(config.model)
+        self.model_config = read_model_config(model_dir)
+        self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(model_dir)
+        self.eos_token_ids = frozenset(eos_token_ids(model_dir, self.model_config, self.tokenizer))
+
+        block_size = config.block_size
+        num_blocks = config.num_kv_blocks or config.kv_cache_memory // self.kv_block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory ({config.kv_cache_memory} bytes) is smaller than "
+                             f"one KV block ({self.kv_block_bytes} bytes)")
+        capacity = num_blocks * block_size
+        model_max = self.model_config.max_position_embeddings
+        if config.max_model_len is None:
+            self.max_model_len = min(model_max, capacity)
+        else:
+            self.max_model_len = config.max_model_len
+            if self.max_model_len > model_max:
+                raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
+                                 f"max_position_embeddings ({model_max})")
+            if self.max_model_len > capacity:
+                raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the KV cache "
+                                 f"capacity ({capacity} tokens); raise kv_cache_memory or num_kv_blocks")
+
+        backend = TorchPagedBackend()
+        with torch.device(self.device):
+            model = get_model_class(self.model_config.architecture)(
+                self.model_config, backend, self.max_model_len, self.dtype)
+        model.load_weights(iter_safetensors(model_dir, self.dtype))
+        self.model = model.eval()
+        self.runner = ModelRunner(model, backend, num_blocks=num_blocks, block_size=block_size,
+                                  device=self.device, dtype=self.dtype, seed=config.seed)
+        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(
+            self.kv_cache, make_policy(config.scheduling_policy),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill)
+        self.output_processor = OutputProcessor(self.tokenizer, self._finish_on_stop_string)
+        self._ids = itertools.count()
+        self.load_seconds = time.perf_counter() - start
+        logger.info("loaded %s in %.1f s: %d KV blocks of %d tokens, max_model_len %d, %s on %s",
+                    self.model_name, self.load_seconds, num_blocks, block_size,
+                    self.max_model_len, config.dtype, self.device)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.model_config.kv_bytes_per_token * self.config.block_size * element
+
+    # -------------------------------------------------------------- requests
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Prompt text (if any) and token ids, or ValueError naming the problem."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt must be token ids when skip_tokenizer_init is set")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict with "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> str:
+        """Queue a request (``params.n`` sequences over one prompt); returns its id.
+        Raises ValueError, queueing nothing, if it can never run."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
+        text, ids = self.tokenize_prompt(prompt)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.scheduler.requests or self.output_processor.sequence_ids(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        max_tokens = max(1, self.max_model_len - len(ids))
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        arrival = time.time() if arrival_time is None else arrival_time
+        sequences = []
+        for i in range(params.n):
+            seq_params = params
+            if params.n > 1:
+                seq_params = SamplingParams(**{**vars(params), "n": 1, "seed": None if params.seed is None
+                                               else params.seed + i})
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            sequences.append(Request(seq_id, ids, seq_params, max_tokens, self.eos_token_ids,
+                                     arrival, priority))
+        for seq in sequences:  # the first raises if the prompt can never run
+            self.scheduler.add_request(seq)
+        self.output_processor.add(request_id, text, ids, sequences)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Cancel requests; their KV blocks return to the pool now."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.scheduler.finish_requests(self.output_processor.remove(rid), FinishReason.ABORT)
+
+    def _finish_on_stop_string(self, sequence: Request, stop: str) -> None:
+        self.scheduler.finish_requests(sequence.request_id, FinishReason.STOP)
+        sequence.stop_reason = stop
+
+    # ------------------------------------------------------------------ step
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the outputs of requests that got tokens."""
+        out = self.scheduler.schedule()
+        if not out.requests:
+            return []
+        result = self.runner.execute(out)
+        updated = self.scheduler.update_from_output(out, result.sampled_token_ids)
+        logprobs = {r.request_id: lp for r, lp in zip(out.requests, result.logprobs)
+                    if lp is not None}
+        return self.output_processor.process(updated, logprobs)

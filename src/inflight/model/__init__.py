@@ -1,0 +1,2 @@
+"""Model definitions, weight loading (Hugging Face directories and GGUF) and the
+tokenizer."""

@@ -1,0 +1,140 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM) over a flat token batch.
+
+``forward`` takes the step's tokens as one ``[T]`` list with their positions; the
+attention backend keeps requests apart. Q/K/V and gate/up are fused into single
+matrix products; weights load from Hugging Face names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from inflight.attention.backend import AttentionBackend
+from inflight.model.config import ModelConfig
+from inflight.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, sliding_window: int | None,
+                 backend: AttentionBackend, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = sliding_window
+        self.backend = backend
+        self.rotary = rotary
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               config.qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary(positions, q.view(num_tokens, self.num_heads, self.head_dim),
+                           k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
+                                   sliding_window=self.sliding_window)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend,
+                 rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, config.sliding_windows[layer_index], backend, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+                                 config.rope_scaling, config.max_position_embeddings, dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, backend, rotary, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, False, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: Any) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat token list."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    # ------------------------------------------------------------- loading
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises if
+        any parameter is left unset or a tensor has no home."""
+        params = dict(self.named_parameters())
+        unset = set(params)
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        fused = {  # HF suffix -> (our suffix, row offset)
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+            "mlp.up_proj": ("mlp.gate_up_proj", cfg.intermediate_size),
+        }
+        parts_seen: dict[str, int] = {}
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store a copy of the embedding
+            offset = None
+            for hf_part, (ours, row) in fused.items():
+                if f".{hf_part}." in name:
+                    name, offset = name.replace(hf_part, ours), row
+                    break
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} does not belong to {cfg.architecture}")
+            target = params[name]
+            if offset is None:
+                _copy_checked(target, tensor, hf_name)
+                unset.discard(name)
+            else:
+                _copy_checked(target[offset:offset + tensor.shape[0]], tensor, hf_name)
+                parts_seen[name] = parts_seen.get(name, 0) + tensor.shape[0]
+                if parts_seen[name] == target.shape[0]:
+                    unset.discard(name)
+        if unset:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(sorted(unset)[:8])}"
+                             + (" ..." if len(unset) > 8 else ""))
+
+
+def _copy_checked(target: torch.Tensor, source: torch.Tensor, name: str) -> None:
+    if tuple(target.shape) != tuple(source.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(source.shape)}, "
+                         f"expected {tuple(target.shape)}")
+    target.copy_(source)

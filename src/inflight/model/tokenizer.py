@@ -1,0 +1,135 @@
+"""Tokenizer wrapper over the ``tokenizers`` library, with the model's chat
+template rendered by jinja2 the way Hugging Face renders it."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as a string (tokenizer_config stores str or {"content": str})."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None = None,
+                 special_tokens: dict[str, str] | None = None) -> None:
+        self._tok = tokenizer
+        self.special_tokens = special_tokens or {}
+        self.chat_template = chat_template
+        self._template = None
+        if chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Tokenizer:
+        tok_file = path / "tokenizer.json"
+        if not tok_file.exists():
+            raise ValueError(f"{path} has no tokenizer.json (pass skip_tokenizer_init=True "
+                             "to run on token ids only)")
+        config: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").exists():
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        specials = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            text = _token_text(config.get(key))
+            if text is not None:
+                specials[key] = text
+        return cls(HFTokenizer.from_file(str(tok_file)), template, specials)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.special_tokens.get("eos_token")
+        return None if eos is None else self._tok.token_to_id(eos)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
+        """An incremental decoder: feed tokens one by one with ``step``; it holds
+        back bytes that do not yet form complete UTF-8."""
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step_stream(self, stream: DecodeStream, token_id: int) -> str | None:
+        return stream.step(self._tok, token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        """Render a conversation to the prompt text the model was trained on."""
+        if self._template is None:
+            raise ValueError("this model has no chat template")
+        normalized = [normalize_chat_message(m, i) for i, m in enumerate(messages)]
+        if not normalized:
+            raise ValueError("messages must contain at least one message")
+        try:
+            return self._template.render(messages=normalized,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from e
+
+
+def normalize_chat_message(message: Any, index: int = 0) -> dict[str, str]:
+    """Check one chat message and flatten OpenAI-style content parts to text."""
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{index}] must be an object with 'role' and 'content'")
+    role, content = message.get("role"), message.get("content")
+    if role not in CHAT_ROLES:
+        raise ValueError(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
+                         f"got {role!r}")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise ValueError(f"messages[{index}].content parts must be "
+                                 "{'type': 'text', 'text': str}")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
+    return {"role": role, "content": content}

@@ -1,0 +1,126 @@
+"""SchedulerOutput -> flat tensors -> model -> sampler -> one token per request
+that reached the end of its known tokens.
+
+The step's tokens are laid out request after request: ``input_ids[T]``,
+``positions[T]`` and ``slot_mapping[T]``, with ``query_start_loc[B+1]`` marking
+where each request's tokens start. Logits are computed only for the last token
+of requests that sample this step (a prompt chunk that does not finish its
+prompt samples nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from inflight.attention.backend import AttentionBackend, BatchLayout
+from inflight.core.scheduler import SchedulerOutput
+from inflight.worker.sampler import Sampler, SamplingRow, TokenLogprobs
+
+
+@dataclass
+class RunnerOutput:
+    """Aligned with ``SchedulerOutput.requests``: a token (or None) per request."""
+
+    sampled_token_ids: list[int | None]
+    logprobs: list[TokenLogprobs | None]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, backend: AttentionBackend, *, num_blocks: int,
+                 block_size: int, device: torch.device, dtype: torch.dtype, seed: int) -> None:
+        cfg = model.config
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.kv_caches = backend.allocate_kv_cache(
+            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+            cfg.head_dim, dtype, device)
+        self.sampler = Sampler(device, seed)
+        # Per-request generators of seeded requests; they survive preemption.
+        self._generators: dict[str, torch.Generator] = {}
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, BatchLayout,
+                                                     list[int]]:
+        """Host-side input preparation: token ids, positions, the batch layout and
+        the indices of the batch rows that sample."""
+        requests, num_new = out.requests, out.num_new_tokens
+        num_reqs = len(requests)
+        starts = [r.num_computed_tokens for r in requests]
+        token_ids: list[int] = []
+        sample_rows: list[int] = []
+        for i, (request, n, start) in enumerate(zip(requests, num_new, starts)):
+            tokens = request.all_token_ids
+            if n == 1:
+                token_ids.append(tokens[start])
+            else:
+                token_ids.extend(tokens[start:start + n])
+            if start + n == len(tokens):
+                sample_rows.append(i)
+
+        num_new_np = np.array(num_new, dtype=np.int64)
+        context_lens = np.array(starts, dtype=np.int64)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_new_np, out=query_start_loc[1:])
+        seq_lens = context_lens + num_new_np
+        num_tokens = int(query_start_loc[-1])
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(
+            query_start_loc[:-1] - context_lens, num_new_np)
+
+        max_blocks = max(len(b) for b in out.block_ids)
+        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+        for i, blocks in enumerate(out.block_ids):
+            block_table[i, :len(blocks)] = blocks
+        token_rows = np.repeat(np.arange(num_reqs), num_new_np)
+        bs = self.block_size
+        slot_mapping = block_table[token_rows, positions // bs] * bs + positions % bs
+
+        layout = BatchLayout(query_start_loc=query_start_loc, context_lens=context_lens,
+                             seq_lens=seq_lens, block_table=block_table,
+                             slot_mapping=slot_mapping, block_size=bs)
+        input_ids = torch.tensor(token_ids, dtype=torch.long)
+        return input_ids, torch.from_numpy(positions), layout, sample_rows
+
+    def _sampling_rows(self, out: SchedulerOutput, sample_rows: list[int]) -> list[SamplingRow]:
+        rows = []
+        for i in sample_rows:
+            request = out.requests[i]
+            params = request.sampling_params
+            row = SamplingRow(params)
+            if params.seed is not None and not params.greedy:
+                generator = self._generators.get(request.request_id)
+                if generator is None:
+                    generator = torch.Generator(device=self.device)
+                    generator.manual_seed(params.seed)
+                    self._generators[request.request_id] = generator
+                row.generator = generator
+            if row.has_penalties:
+                row.prompt_token_ids = request.prompt_token_ids
+                row.output_token_ids = request.output_token_ids
+            if request.num_output_tokens < params.min_tokens and request.stop_token_ids:
+                row.banned_token_ids = request.stop_token_ids
+            rows.append(row)
+        return rows
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        for request_id in out.finished_request_ids:
+            self._generators.pop(request_id, None)
+        input_ids, positions, layout, sample_rows = self.prepare(out)
+        device = self.device
+        metadata = self.backend.build_metadata(layout, device)
+        hidden = self.model(input_ids.to(device), positions.to(device), self.kv_caches, metadata)
+        sampled: list[int | None] = [None] * len(out.requests)
+        logprobs: list[TokenLogprobs | None] = [None] * len(out.requests)
+        if sample_rows:
+            logits_index = torch.from_numpy(layout.query_start_loc[np.array(sample_rows) + 1] - 1)
+            logits = self.model.compute_logits(hidden[logits_index.to(device)])
+            result = self.sampler(logits, self._sampling_rows(out, sample_rows))
+            for row, token, lp in zip(sample_rows, result.token_ids, result.logprobs):
+                sampled[row] = token
+                logprobs[row] = lp
+        return RunnerOutput(sampled, logprobs)

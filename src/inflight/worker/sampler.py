@@ -1,0 +1,180 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, repetition /
+presence / frequency penalties, per-request seeds and top-n log-probabilities.
+
+Random rows are drawn with the exponential race (``argmax(p / E)`` with
+``E ~ Exp(1)`` is a sample from ``p``). A seeded request draws its ``E`` row
+from its own generator, so its samples do not depend on what else is in the
+batch. Log-probabilities are those of the model's raw distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inflight.core.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_token_ids: list[int] | None = None  # set when penalties are on
+    output_token_ids: list[int] | None = None
+    # Token ids that may not be sampled yet (stop tokens before min_tokens).
+    banned_token_ids: frozenset[int] | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's log-probability and rank, and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        # Draws for unseeded requests: reproducible run to run, not batch to batch.
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row of ``logits`` ``[S, V]`` (modified in place)."""
+        logits = logits.float()
+        want_logprobs = [r.params.logprobs for r in rows]
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if any(n is not None for n in want_logprobs) else None)
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                logits[i, list(row.banned_token_ids)] = float("-inf")
+        penalized = [i for i, r in enumerate(rows) if r.has_penalties]
+        if penalized:
+            self._apply_penalties(logits, [rows[i] for i in penalized], penalized)
+
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, rows, greedy)
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            logprobs = self._logprobs(raw_logprobs, tokens, token_list, want_logprobs)
+        return SamplerOutput(token_list, logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+                greedy: list[bool]) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
+                                   device=device, dtype=logits.dtype)
+        scaled = logits / temperature.unsqueeze(1)
+        top_k = [(i, r.params.top_k) for i, r in enumerate(rows) if r.params.top_k > 0 and not greedy[i]]
+        if top_k:
+            _top_k(scaled, top_k)
+        top_p = [(i, r.params.top_p) for i, r in enumerate(rows) if r.params.top_p < 1 and not greedy[i]]
+        if top_p:
+            _top_p(scaled, top_p)
+        min_p = [(i, r.params.min_p) for i, r in enumerate(rows) if r.params.min_p > 0 and not greedy[i]]
+        if min_p:
+            _min_p(scaled, min_p)
+        probs = torch.softmax(scaled, dim=-1)
+        race = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None and not greedy[i]:
+                race[i].exponential_(generator=row.generator)
+        sampled = (probs / race).argmax(dim=-1)
+        if any(greedy):
+            mask = torch.tensor(greedy, device=device)
+            sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
+        return sampled
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], index: list[int]) -> None:
+        """Repetition penalty over prompt and output tokens, then frequency and
+        presence penalties over output tokens (OpenAI's definitions)."""
+        device, vocab = logits.device, logits.shape[1]
+        sub = logits[index]
+        counts = torch.zeros_like(sub)
+        seen = torch.zeros(sub.shape, dtype=torch.bool, device=device)
+        for j, row in enumerate(rows):
+            out_ids = torch.tensor(row.output_token_ids or [], dtype=torch.long, device=device)
+            counts[j] = torch.bincount(out_ids, minlength=vocab)[:vocab].to(sub.dtype)
+            seen[j, torch.tensor(row.prompt_token_ids or [], dtype=torch.long, device=device)] = True
+        seen |= counts > 0
+        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device,
+                           dtype=sub.dtype).unsqueeze(1)
+        penalized = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalized, sub)
+        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device,
+                            dtype=sub.dtype).unsqueeze(1)
+        pres = torch.tensor([r.params.presence_penalty for r in rows], device=device,
+                            dtype=sub.dtype).unsqueeze(1)
+        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+        logits[index] = sub
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
+                  wanted: list[int | None]) -> list[TokenLogprobs | None]:
+        chosen = raw.gather(1, tokens.unsqueeze(1))
+        ranks = (raw > chosen).sum(dim=1).add_(1).tolist()
+        chosen_list = chosen.squeeze(1).tolist()
+        most = max(n for n in wanted if n is not None)
+        top_values, top_ids = (raw.topk(most, dim=-1) if most > 0 else (raw[:, :0], raw[:, :0].long()))
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        out: list[TokenLogprobs | None] = []
+        for i, n in enumerate(wanted):
+            if n is None:
+                out.append(None)
+            else:
+                out.append(TokenLogprobs(token_list[i], chosen_list[i], ranks[i],
+                                         top_ids[i][:n], top_values[i][:n]))
+        return out
+
+
+def _top_k(logits: torch.Tensor, rows: list[tuple[int, int]]) -> None:
+    index = [i for i, _ in rows]
+    k = torch.tensor([k for _, k in rows], device=logits.device).clamp_(max=logits.shape[1])
+    sub = logits[index]
+    kth = sub.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    logits[index] = sub.masked_fill(sub < kth, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, rows: list[tuple[int, float]]) -> None:
+    """Keep the smallest set of most likely tokens whose probability reaches p."""
+    index = [i for i, _ in rows]
+    p = torch.tensor([p for _, p in rows], device=logits.device, dtype=logits.dtype)
+    sub = logits[index]
+    ascending, order = sub.sort(dim=-1)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1 - p).unsqueeze(1)
+    drop[:, -1] = False
+    logits[index] = sub.scatter(1, order, ascending.masked_fill(drop, float("-inf")))
+
+
+def _min_p(logits: torch.Tensor, rows: list[tuple[int, float]]) -> None:
+    """Drop tokens less likely than min_p times the most likely one."""
+    index = [i for i, _ in rows]
+    min_p = torch.tensor([m for _, m in rows], device=logits.device, dtype=logits.dtype)
+    sub = logits[index]
+    probs = sub.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    logits[index] = sub.masked_fill(probs < threshold, float("-inf"))

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_model(name)``: the directory of a tiny random model (made once per session)."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_tiny_model(tmp_path_factory.mktemp(name), name)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The default model, fp32, shared by the end-to-end tests that need no special options."""
+    from inflight import LLM
+
+    return LLM(kv_cache_memory="512MiB")

@@ -1,0 +1,96 @@
+"""Test helpers: tiny random Hugging Face models saved to disk, a tiny tokenizer,
+and a reference greedy decoder that runs transformers directly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def save_tiny_tokenizer(path: Path, vocab_size: int) -> None:
+    """A byte-level BPE trained on a few sentences, plus a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["the quick brown fox jumps over the lazy dog",
+              "continuous batching keeps every slot busy",
+              "paged attention stores keys and values in blocks"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|end|>"}))
+
+
+TINY_COMMON: dict[str, Any] = dict(
+    vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# name -> (transformers config class name, extra config)
+TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama-untied": ("LlamaConfig", {"tie_word_embeddings": False, "num_key_value_heads": 4}),
+    "qwen2-bias": ("Qwen2Config", {"tie_word_embeddings": False}),
+    "mistral-window": ("MistralConfig", {"sliding_window": 8, "tie_word_embeddings": False}),
+    "llama3-rope": ("LlamaConfig", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}}),
+    "linear-rope": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "yarn-rope": ("Qwen2Config", {"rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}),
+}
+
+
+def make_tiny_model(path: Path, name: str, seed: int = 0) -> Path:
+    """Save a randomly initialised model (and a tokenizer) under ``path``."""
+    import transformers
+
+    config_cls, extra = TINY_MODELS[name]
+    options = {**TINY_COMMON, **extra}
+    rope_scaling = options.pop("rope_scaling", None)
+    config = getattr(transformers, config_cls)(**options)
+    if rope_scaling is not None:
+        # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_scaling.
+        if hasattr(config, "rope_parameters") and isinstance(config.rope_parameters, dict):
+            config.rope_parameters = {**config.rope_parameters, **rope_scaling}
+        else:
+            config.rope_scaling = rope_scaling
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, config.vocab_size)
+    return path
+
+
+def load_hf(path: Path, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding with a full forward pass per token (no cache, no generate())."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+def random_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=g).tolist()
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

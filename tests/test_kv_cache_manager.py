@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inflight.core.kv_cache_manager import KVCacheManager
+
+
+def test_allocates_whole_blocks_and_frees_them():
+    kv = KVCacheManager(num_blocks=4, block_size=16)
+    assert kv.allocate_slots("a", 17) == [0, 1]
+    assert kv.allocate_slots("a", 32) == []          # still fits in two blocks
+    assert kv.allocate_slots("a", 33) == [2]
+    assert kv.block_ids("a") == [0, 1, 2]
+    assert kv.allocate_slots("b", 17) is None        # needs 2, only 1 free: nothing changes
+    assert kv.num_free_blocks == 1 and kv.block_ids("b") == []
+    kv.free("a")
+    assert kv.num_free_blocks == 4 and kv.usage == 0.0
+    kv.free("a")  # freeing twice is harmless
+    assert kv.num_free_blocks == 4
+
+
+def test_rejects_empty_pool():
+    with pytest.raises(ValueError):
+        KVCacheManager(num_blocks=0, block_size=16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_blocks=st.integers(1, 40), block_size=st.sampled_from([1, 2, 4, 16]),
+       ops=st.lists(st.tuples(st.sampled_from("af"), st.integers(0, 5), st.integers(1, 200)),
+                    max_size=60))
+def test_blocks_are_never_owned_twice_or_lost(num_blocks, block_size, ops):
+    kv = KVCacheManager(num_blocks, block_size)
+    sizes: dict[str, int] = {}
+    for op, who, tokens in ops:
+        rid = f"r{who}"
+        if op == "a":
+            before = len(kv.block_ids(rid))
+            new = kv.allocate_slots(rid, tokens)
+            needed = -(-tokens // block_size)
+            if new is None:
+                assert needed - before > kv.num_free_blocks
+                assert len(kv.block_ids(rid)) == before
+            else:
+                assert len(kv.block_ids(rid)) == max(before, needed)
+                sizes[rid] = max(sizes.get(rid, 0), tokens)
+        else:
+            kv.free(rid)
+            sizes.pop(rid, None)
+        owned = [b for table in kv.owned_blocks().values() for b in table]
+        assert len(owned) == len(set(owned)), "a block is owned twice"
+        assert len(owned) + kv.num_free_blocks == num_blocks, "a block was lost"
+        assert set(owned).isdisjoint(kv._free)

@@ -1,0 +1,65 @@
+"""Incremental detokenization and stop strings, on the default model's tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from inflight.core.request import Request
+from inflight.core.sampling_params import SamplingParams
+from inflight.engine.output import SequenceDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_llm):
+    return default_llm.get_tokenizer()
+
+
+def feed(tokenizer, text: str, **params):
+    request = Request("r", [1], SamplingParams(**params), 100)
+    detok = SequenceDetokenizer(tokenizer, request)
+    visible, stop = [], None
+    for i, token in enumerate(tokenizer.encode(text, add_special_tokens=False)):
+        stop = detok.add_token(token, i + 1)
+        visible.append(detok.visible_text(finished=stop is not None))
+        if stop:
+            break
+    return detok, visible, stop
+
+
+def test_split_utf8_is_never_emitted(tokenizer):
+    text = "naïve café 😀 日本語"
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    assert len(tokens) > len(text.split())  # multi-byte characters span several tokens
+    detok, visible, _ = feed(tokenizer, text)
+    assert detok.text == text
+    assert all("\ufffd" not in v for v in visible)
+    assert all(b.startswith(a) for a, b in zip(visible, visible[1:]))
+
+
+def test_stop_string_across_tokens_is_cut_and_held_back(tokenizer):
+    detok, visible, stop = feed(tokenizer, "Hello world, the end is near", stop=["the end"])
+    assert stop == "the end" and detok.text == "Hello world, "
+    # "the" could have started the stop string: it was never shown
+    assert all("the" not in v for v in visible)
+
+
+def test_include_stop_string(tokenizer):
+    detok, _, stop = feed(tokenizer, "one two three four", stop=["three"],
+                          include_stop_str_in_output=True)
+    assert stop == "three" and detok.text == "one two three"
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    _, _, stop = feed(tokenizer, "stop here and stop there", stop=["stop"], min_tokens=3)
+    # the first "stop" is token 1, before min_tokens; the second one ends it
+    assert stop == "stop"
+
+
+def test_holdback_releases_text_that_cannot_start_a_stop_string(tokenizer):
+    request = Request("r", [1], SamplingParams(stop=["###"]), 100)
+    detok = SequenceDetokenizer(tokenizer, request)
+    detok.text = "abc#"
+    assert detok.visible_text(False) == "abc"
+    detok.text = "abc#x"
+    assert detok.visible_text(False) == "abc#x"
+    assert detok.visible_text(True) == "abc#x"
