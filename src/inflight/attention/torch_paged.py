@@ -22,6 +22,15 @@ import torch.nn.functional as F
 from inflight.attention.backend import AttentionBackend, BatchLayout
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU it comes from calloc, so the operating system
+    hands out zero pages as they are first written instead of at start-up."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 @dataclass
 class _DecodeBatch:
     rows: torch.Tensor | None  # token indices of the decodes; None when every token is one
@@ -82,10 +91,10 @@ class TorchPagedBackend(AttentionBackend):
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
                           num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                           device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # Zeroed, so that padding read under a mask is always finite (0 * inf is nan).
+        # Zeroed, so that padding read under a mask is always finite (0 * nan is nan).
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        return [(torch.zeros(shape, dtype=dtype, device=device),
-                 torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+                for _ in range(num_layers)]
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchPagedMetadata:
         bs = layout.block_size

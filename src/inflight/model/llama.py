@@ -69,8 +69,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                  config.rope_scaling, config.max_position_embeddings, dtype)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), _freeze=True)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, backend, rotary, dtype) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
