@@ -57,3 +57,18 @@ def test_default_model_batch_invariance(default_llm):
 
     tight = LLM(num_kv_blocks=14, max_model_len=224, max_num_batched_tokens=32, max_num_seqs=16)
     assert _together_under_pressure(tight, prompts, params) == expected
+
+
+def test_static_batching_gives_the_same_tokens(tiny_model):
+    path = str(tiny_model("llama-gqa"))
+    prompts = random_prompts(12, vocab=384, min_len=2, max_len=60, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (3, 30, 7, 12, 1, 25, 9, 2, 18, 4, 11, 6)]
+    results = {}
+    for mode in ("continuous", "static"):
+        llm = LLM(path, dtype="float64", kv_cache_memory="16MiB", max_num_seqs=4, scheduling=mode)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[mode] = [o.outputs[0].token_ids for o in outputs]
+        assert [len(t) for t in results[mode]] == [p.max_tokens for p in params]
+        assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    assert results["static"] == results["continuous"]

@@ -16,7 +16,7 @@ def tokenizer(default_llm):
 
 def feed(tokenizer, text: str, **params):
     request = Request("r", [1], SamplingParams(**params), 100)
-    detok = SequenceDetokenizer(tokenizer, request)
+    detok = SequenceDetokenizer(tokenizer, request, stream=True)
     visible, stop = [], None
     for i, token in enumerate(tokenizer.encode(text, add_special_tokens=False)):
         stop = detok.add_token(token, i + 1)
@@ -57,7 +57,7 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
 
 def test_holdback_releases_text_that_cannot_start_a_stop_string(tokenizer):
     request = Request("r", [1], SamplingParams(stop=["###"]), 100)
-    detok = SequenceDetokenizer(tokenizer, request)
+    detok = SequenceDetokenizer(tokenizer, request, stream=True)
     detok.text = "abc#"
     assert detok.visible_text(False) == "abc"
     detok.text = "abc#x"

@@ -10,7 +10,7 @@ V = 8
 
 
 def sample(logits, rows, seed=0):
-    return Sampler(torch.device("cpu"), seed)(logits.clone(), rows)
+    return Sampler(torch.device("cpu"), seed).sample(logits.clone(), rows)
 
 
 def row(**params) -> SamplingRow:
@@ -66,7 +66,7 @@ def test_seeded_rows_do_not_depend_on_the_batch():
             rows[position] = SamplingRow(SamplingParams(temperature=1.0, seed=42), generator)
             batch_logits = torch.randn(batch, 200)
             batch_logits[position] = logits[0]
-            tokens.append(sampler(batch_logits, rows).token_ids[position])
+            tokens.append(sampler.sample(batch_logits, rows).token_ids[position])
         return tokens
 
     reference = draws(0, 1, 0)

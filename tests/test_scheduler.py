@@ -17,11 +17,11 @@ TOKEN = 7
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=None,
-                   chunked=True) -> Scheduler:
+                   chunked=True, static=False) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size)
     return Scheduler(kv, FCFSPolicy(), max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                      max_model_len=max_model_len or num_blocks * block_size,
-                     enable_chunked_prefill=chunked)
+                     enable_chunked_prefill=chunked, static_batching=static)
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int, **params) -> Request:
@@ -106,6 +106,40 @@ def test_abort_frees_blocks_at_once_and_tells_the_worker():
     assert sched.schedule().finished_request_ids == ["a"]
 
 
+def test_static_batching_pads_finished_members_until_the_batch_ends():
+    sched = make_scheduler(max_num_seqs=2, budget=100, static=True)
+    short, long, nxt = make_request("short", 3, 2), make_request("long", 3, 5), make_request("next", 3, 2)
+    for req in (short, long, nxt):
+        sched.add_request(req)
+    batches, output_at_finish = [], {}
+    while sched.has_unfinished_requests():
+        padding_before = {r.request_id for r in sched.running if r.padding}
+        out = fake_step(sched)
+        batches.append([(r.request_id, r.request_id in padding_before) for r in out.requests])
+        for r in out.requests:
+            if r.is_finished and r.request_id not in output_at_finish:
+                output_at_finish[r.request_id] = r.num_output_tokens
+    # "short" finishes after 2 tokens but stays in the batch as padding; "next"
+    # waits for the whole batch even though a slot's work is done
+    assert batches[0] == [("short", False), ("long", False)]
+    assert batches[2] == [("short", True), ("long", False)]
+    assert all(("next", False) not in b for b in batches[:5])
+    assert batches[5] == [("next", False)]
+    assert short.finish_reason is FinishReason.LENGTH and output_at_finish["short"] == 2
+    assert short.num_tokens == 3 + 5  # it kept computing as padding as long as "long" ran
+    assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
+
+
+def test_continuous_batching_refills_a_freed_slot_at_once():
+    sched = make_scheduler(max_num_seqs=2, budget=100)
+    for rid, n in (("short", 2), ("long", 5), ("next", 2)):
+        sched.add_request(make_request(rid, 3, n))
+    fake_step(sched)
+    fake_step(sched)  # short finishes here
+    out = fake_step(sched)
+    assert [r.request_id for r in out.requests] == ["long", "next"]
+
+
 def test_rejects_prompts_that_can_never_run():
     sched = make_scheduler(num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="max_model_len=16"):
@@ -165,14 +199,15 @@ request_spec = st.tuples(st.integers(0, 15),   # arrival step
 
 @settings(max_examples=150, deadline=None)
 @given(num_blocks=st.integers(1, 48), block_size=st.sampled_from([1, 2, 4, 16]),
-       max_num_seqs=st.integers(1, 8), budget=st.integers(1, 64),
+       max_num_seqs=st.integers(1, 8), budget=st.integers(1, 64), static=st.booleans(),
        len_fraction=st.floats(0.05, 1.0), specs=st.lists(request_spec, min_size=1, max_size=16),
        aborts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 15)), max_size=4))
-def test_scheduler_invariants_under_random_load(num_blocks, block_size, max_num_seqs, budget,
+def test_scheduler_invariants_under_random_load(num_blocks, block_size, max_num_seqs, budget, static,
                                                 len_fraction, specs, aborts):
     capacity = num_blocks * block_size
     max_model_len = max(1, int(capacity * len_fraction))
-    sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget, max_model_len)
+    sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget, max_model_len,
+                           static=static)
     kv = sched.kv_cache
     arrivals = sorted(enumerate(specs), key=lambda x: (x[1][0], x[0]))
     accepted: list[Request] = []

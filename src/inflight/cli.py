@@ -17,10 +17,12 @@ from collections.abc import Sequence
 from inflight.config import EngineConfig
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     group = parser.add_argument_group("engine options")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
+        if f.name in exclude:
+            continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         if hint is bool:
@@ -33,7 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+                           if hasattr(args, f.name)})
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -76,7 +79,51 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    tp = bench.add_parser("throughput", help="offline throughput of one workload")
+    _add_bench_args(tp)
+    tp.add_argument("--scheduling", dest="scheduling_list", default="continuous",
+                    help="comma list of continuous, static")
+    tp.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
+                    help="comma list of batch slot counts (default: the engine's)")
+    tp.add_argument("--baseline", choices=["hf"], default=None,
+                    help="also run Hugging Face transformers generate with static batches")
+    tp.add_argument("--hf-batch-size", type=int, default=16)
+    tp.add_argument("--profile", action="store_true", help="print where a step's time goes")
+    tp.add_argument("--model-stub", action="store_true",
+                    help="no-op model: measure scheduling and input preparation alone")
+    tp.add_argument("--output-json", default=None)
+    tp.set_defaults(func=_bench_throughput)
+
+    sw = bench.add_parser("sweep", help="continuous vs static over batch sizes, with plots")
+    _add_bench_args(sw)
+    sw.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
+                    help="comma list (default 4,8,16,32,64,128)")
+    sw.add_argument("--timeline-requests", type=int, default=24)
+    sw.add_argument("--timeline-seqs", type=int, default=8)
+    sw.add_argument("--output-dir", default="bench-results")
+    sw.set_defaults(func=_bench_sweep)
     return parser
+
+
+def _add_bench_args(parser: argparse.ArgumentParser) -> None:
+    from inflight.bench.commands import add_workload_args
+
+    add_workload_args(parser)
+    add_engine_args(parser, exclude=("max_num_seqs", "scheduling", "seed"))
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from inflight.bench.commands import throughput
+
+    return throughput(args, engine_config_from_args(args))
+
+
+def _bench_sweep(args: argparse.Namespace) -> int:
+    from inflight.bench.commands import sweep
+
+    return sweep(args, engine_config_from_args(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

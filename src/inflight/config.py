@@ -44,11 +44,16 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # "static" admits a new batch only when the previous one has finished (the
+    # baseline continuous batching is measured against).
+    scheduling: str = "continuous"
     scheduling_policy: str = "fcfs"
     # Load no tokenizer: prompts must then be token ids, outputs carry no text.
     skip_tokenizer_init: bool = False
     # Torch intra-op threads; None keeps torch's default (one per core).
     num_threads: int | None = None
+    # "auto", "torch" (PyTorch reference kernels) or "cpu" (C kernels, float32).
+    kernel_backend: str = "auto"
 
     def __post_init__(self) -> None:
         def positive_int(name: str, allow_none: bool = False) -> None:
@@ -73,6 +78,11 @@ class EngineConfig:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.kernel_backend not in ("auto", "torch", "cpu"):
+            raise ValueError("kernel_backend must be 'auto', 'torch' or 'cpu', "
+                             f"got {self.kernel_backend!r}")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         from inflight.core.policy import POLICIES
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, "

@@ -53,6 +53,9 @@ class Request:
         # The stop token id or stop string that ended the request, if any.
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Static batching only: finished, but still computed as padding until the
+        # rest of its batch finishes.
+        self.padding = False
         self.eos_token_ids = eos_token_ids
         stop_ids = frozenset(sampling_params.stop_token_ids)
         self.stop_token_ids = stop_ids if sampling_params.ignore_eos else stop_ids | eos_token_ids

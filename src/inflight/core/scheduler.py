@@ -12,6 +12,12 @@ Each ``schedule()`` call plans one forward step under one token budget
 2. then, if nothing was preempted, waiting requests in policy order while
    budget, sequence slots and KV blocks last.
 
+With ``static_batching`` the same loop emulates classic static batching (as
+in Hugging Face ``generate``) for comparison: a new batch is admitted only once
+every member of the previous one has finished, and a member that finishes early
+is reported finished but keeps computing as padding, its tokens discarded, until
+the whole batch is done; then all of its blocks are freed.
+
 ``update_from_output()`` applies the sampled tokens, finishes requests that hit
 a stop condition and frees their blocks in the same step.
 """
@@ -60,7 +66,7 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, policy: SchedulingPolicy, *,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, static_batching: bool = False) -> None:
         if max_model_len > kv_cache.capacity_tokens:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the KV cache capacity "
                              f"({kv_cache.capacity_tokens} tokens)")
@@ -73,6 +79,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.static_batching = static_batching
+        # Static batching: whether the current batch may still take members.
+        self._batch_open = True
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -100,9 +109,7 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None:
                 continue
-            if request.status is RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
+            if request.status is not RequestStatus.RUNNING:
                 self.policy.remove(request)
             self._end(request, reason)
             ended.append(request)
@@ -140,8 +147,11 @@ class Scheduler:
                     budget += out.num_new_tokens[j]
                     del out.requests[j], out.num_new_tokens[j], out.block_ids[j]
                     i -= 1
-                self._preempt(victim)
-                out.preempted_request_ids.append(victim.request_id)
+                if victim.padding:  # a finished static-batch member: just let it go
+                    self._release(victim)
+                else:
+                    self._preempt(victim)
+                    out.preempted_request_ids.append(victim.request_id)
                 if victim is request:
                     break
             else:
@@ -153,30 +163,51 @@ class Scheduler:
             # The request preempted itself: nothing else can fit this step.
             break
 
-        if not out.preempted_request_ids:
-            now = time.time()
-            while len(self.policy) and budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.policy.peek()
-                pending = request.num_tokens - request.num_computed_tokens
-                if pending > budget and not self.enable_chunked_prefill:
-                    break
-                num_new = min(pending, budget)
-                if self.kv_cache.allocate_slots(
-                        request.request_id, request.num_computed_tokens + num_new) is None:
-                    break
-                self.policy.pop()
-                request.status = RequestStatus.RUNNING
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = now
-                self.running.append(request)
-                chunked |= num_new < pending
-                self._add_to_output(out, request, num_new)
-                budget -= num_new
+        if self.static_batching and not self.running:
+            self._batch_open = True
+        if out.preempted_request_ids:
+            # No admissions while memory is short; a static batch stops growing.
+            self._batch_open = not self.static_batching
+        elif self._batch_open:
+            budget_bound, admitted_chunked = self._admit(out, budget)
+            chunked |= admitted_chunked
+            # A static batch keeps forming across steps only while the token
+            # budget is what holds admissions back.
+            self._batch_open = budget_bound or not self.static_batching
 
         if out.requests:
             self.stats.num_steps += 1
             self.stats.num_chunked_steps += chunked
         return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> tuple[bool, bool]:
+        """Admit waiting requests in policy order. Returns whether the token budget
+        (rather than slots, blocks or an empty queue) stopped admission, and
+        whether a prompt was chunked."""
+        now = time.time()
+        while len(self.policy):
+            if budget <= 0:
+                return True, False
+            if len(self.running) >= self.max_num_seqs:
+                return False, False
+            request = self.policy.peek()
+            pending = request.num_tokens - request.num_computed_tokens
+            if pending > budget and not self.enable_chunked_prefill:
+                return True, False
+            num_new = min(pending, budget)
+            if self.kv_cache.allocate_slots(
+                    request.request_id, request.num_computed_tokens + num_new) is None:
+                return False, False
+            self.policy.pop()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.running.append(request)
+            self._add_to_output(out, request, num_new)
+            budget -= num_new
+            if num_new < pending:
+                return True, True
+        return False, False
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.requests.append(request)
@@ -204,18 +235,44 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if token is None:
                 continue
+            if request.padding:  # its tokens only keep the batch's shape
+                request.all_token_ids.append(token)
+                if request.num_tokens >= self.max_model_len:
+                    self._release(request)
+                continue
             request.append_output_token(token, now)
             reason = request.check_stop(self.max_model_len)
             if reason is not None:
-                self.running.remove(request)
-                self._end(request, reason, now)
+                if self.static_batching and request.num_tokens < self.max_model_len and any(
+                        not r.padding and r is not request for r in self.running):
+                    self._finish(request, reason, now)
+                    request.padding = True
+                else:
+                    self._finish(request, reason, now)
+                    self._release(request)
             updated.append(request)
+        if self.static_batching and self.running and all(r.padding for r in self.running):
+            for request in list(self.running):
+                self._release(request)
         return updated
 
     def _end(self, request: Request, reason: FinishReason, now: float | None = None) -> None:
+        """Finish a request that is not running, or running and to be freed now."""
+        self._finish(request, reason, now)
+        if request in self.running:
+            self.running.remove(request)
+        self.kv_cache.free(request.request_id)
+        self._ended_ids.append(request.request_id)
+
+    def _finish(self, request: Request, reason: FinishReason, now: float | None) -> None:
+        """Mark a request finished for its caller (its blocks are freed separately)."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_time = time.time() if now is None else now
-        self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
+
+    def _release(self, request: Request) -> None:
+        """Take a finished request out of the batch and free its blocks."""
+        self.running.remove(request)
+        self.kv_cache.free(request.request_id)
         self._ended_ids.append(request.request_id)

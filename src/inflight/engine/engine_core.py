@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from inflight.attention.torch_paged import TorchPagedBackend
 from inflight.config import EngineConfig
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.policy import make_policy
@@ -24,13 +24,34 @@ from inflight.core.scheduler import Scheduler
 from inflight.engine.output import OutputProcessor, RequestOutput
 from inflight.model.loader import (eos_token_ids, iter_safetensors, model_display_name,
                                    read_model_config, resolve_model_dir)
+from inflight.model.layers import pack_linear_weights
 from inflight.model.registry import get_model_class
+from inflight.model.stub import StubModel
 from inflight.model.tokenizer import Tokenizer
+from inflight.ops.cpu_ops import CpuOps
+from inflight.worker.cpu_setup import configure_cpu
+from inflight.worker.kernels import select_kernels
 from inflight.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class StepStats:
+    """What one ``step()`` did, for benchmarks and metrics."""
+
+    num_requests: int = 0        # requests in the batch (not counting padding)
+    num_padding: int = 0         # finished static-batch members computed as padding
+    num_tokens: int = 0          # tokens computed
+    num_prompt_tokens: int = 0   # of which prompt (prefill) tokens
+    num_running: int = 0         # after the step
+    num_waiting: int = 0
+    num_preempted: int = 0
+    seconds: float = 0.0
+    request_ids: list[str] = field(default_factory=list)  # the batch, in order
+    padding_ids: list[str] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,12 +61,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, model_stub: bool = False) -> None:
+        """Build the engine. ``model_stub`` puts a no-op model in place of the real
+        one, for benchmarks of the machinery around the forward pass."""
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
         start = time.perf_counter()
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            configure_cpu(config.num_threads)
+        elif config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.dtype = getattr(torch, config.dtype)
         model_dir = resolve_model_dir(config.model)
         self.model_name = model_display_name(config.model)
@@ -71,11 +96,21 @@ class EngineCore:
                 raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the KV cache "
                                  f"capacity ({capacity} tokens); raise kv_cache_memory or num_kv_blocks")
 
-        backend = TorchPagedBackend()
-        with torch.device(self.device):
-            model = get_model_class(self.model_config.architecture)(
-                self.model_config, backend, self.max_model_len, self.dtype)
-        model.load_weights(iter_safetensors(model_dir, self.dtype))
+        ops, backend = select_kernels(config.kernel_backend, self.device, self.dtype)
+        if model_stub:
+            special = self.eos_token_ids | (self.tokenizer.special_token_ids
+                                            if self.tokenizer else frozenset())
+            ordinary = next(t for t in range(self.model_config.vocab_size) if t not in special)
+            model = StubModel(self.model_config, self.dtype, ordinary)
+        else:
+            with torch.device(self.device):
+                model = get_model_class(self.model_config.architecture)(
+                    self.model_config, backend, ops, self.max_model_len, self.dtype)
+            model.load_weights(iter_safetensors(model_dir, self.dtype))
+        # Parameters as stored (a tied embedding once), counted before packing.
+        self.num_parameters = sum(p.numel() for p in model.parameters())
+        if isinstance(ops, CpuOps) and not model_stub:
+            pack_linear_weights(model, ops)
         self.model = model.eval()
         self.runner = ModelRunner(model, backend, num_blocks=num_blocks, block_size=block_size,
                                   device=self.device, dtype=self.dtype, seed=config.seed)
@@ -85,13 +120,15 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill)
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            static_batching=config.scheduling == "static")
         self.output_processor = OutputProcessor(self.tokenizer, self._finish_on_stop_string)
         self._ids = itertools.count()
+        self.last_step = StepStats()
         self.load_seconds = time.perf_counter() - start
-        logger.info("loaded %s in %.1f s: %d KV blocks of %d tokens, max_model_len %d, %s on %s",
-                    self.model_name, self.load_seconds, num_blocks, block_size,
-                    self.max_model_len, config.dtype, self.device)
+        logger.info("loaded %s in %.1f s: %d KV blocks of %d tokens, max_model_len %d, %s on %s, "
+                    "%s", self.model_name, self.load_seconds, num_blocks, block_size,
+                    self.max_model_len, config.dtype, self.device, type(backend).__name__)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -133,8 +170,9 @@ class EngineCore:
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, stream: bool = False) -> str:
         """Queue a request (``params.n`` sequences over one prompt); returns its id.
+        ``step()`` reports it at every step when ``stream``, else once finished.
         Raises ValueError, queueing nothing, if it can never run."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -160,7 +198,7 @@ class EngineCore:
                                      arrival, priority))
         for seq in sequences:  # the first raises if the prompt can never run
             self.scheduler.add_request(seq)
-        self.output_processor.add(request_id, text, ids, sequences)
+        self.output_processor.add(request_id, text, ids, sequences, stream)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -177,12 +215,28 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of requests that got tokens."""
+        """Run one iteration; returns the outputs of streamed requests that got
+        tokens and of requests that finished. ``last_step`` describes the step."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.requests:
+            self.last_step = StepStats(num_waiting=self.scheduler.num_waiting)
             return []
+        prompt_tokens = sum(min(n, max(0, r.num_prompt_tokens - r.num_computed_tokens))
+                            for r, n in zip(out.requests, out.num_new_tokens))
+        live_ids = [r.request_id for r in out.requests if not r.padding]
+        padding_ids = [r.request_id for r in out.requests if r.padding]
         result = self.runner.execute(out)
         updated = self.scheduler.update_from_output(out, result.sampled_token_ids)
         logprobs = {r.request_id: lp for r, lp in zip(out.requests, result.logprobs)
                     if lp is not None}
-        return self.output_processor.process(updated, logprobs)
+        outputs = self.output_processor.process(updated, logprobs)
+        self.last_step = StepStats(
+            num_requests=len(live_ids), num_padding=len(padding_ids),
+            num_tokens=out.total_num_tokens,
+            num_prompt_tokens=prompt_tokens, num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preempted=len(out.preempted_request_ids),
+            seconds=time.perf_counter() - start,
+            request_ids=live_ids, padding_ids=padding_ids)
+        return outputs

@@ -66,14 +66,21 @@ class RequestOutput:
 
 
 class SequenceDetokenizer:
-    """Turns one sequence's tokens into text as they arrive and finds stop strings."""
+    """Turns one sequence's tokens into text and finds stop strings.
 
-    def __init__(self, tokenizer: Tokenizer | None, request: Request) -> None:
+    Text is built token by token only when someone needs it before the end
+    (streaming, or stop strings to watch for); otherwise the whole output is
+    decoded once when the sequence finishes."""
+
+    def __init__(self, tokenizer: Tokenizer | None, request: Request, stream: bool) -> None:
         params = request.sampling_params
         self.tokenizer = tokenizer
-        self.stream = tokenizer.decode_stream(params.skip_special_tokens) if tokenizer else None
-        self.text = ""
+        self.request = request
         self.stop = params.stop
+        self.incremental = tokenizer is not None and (stream or bool(self.stop))
+        self.stream = tokenizer.decode_stream(params.skip_special_tokens) if self.incremental else None
+        self.skip_special_tokens = params.skip_special_tokens
+        self.text = ""
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
@@ -98,7 +105,12 @@ class SequenceDetokenizer:
         return stop
 
     def visible_text(self, finished: bool) -> str:
-        """The text minus any tail that is a prefix of a stop string."""
+        """The text so far, minus any tail that is a prefix of a stop string."""
+        if not self.incremental:
+            if finished and self.tokenizer is not None and not self.text:
+                self.text = self.tokenizer.decode(self.request.output_token_ids,
+                                                  self.skip_special_tokens)
+            return self.text
         if finished or not self.stop:
             return self.text
         for k in range(min(len(self.text), self.max_stop_len - 1), 0, -1):
@@ -110,6 +122,7 @@ class SequenceDetokenizer:
 
 @dataclass
 class _Sample:
+    index: int
     request: Request
     detokenizer: SequenceDetokenizer
     logprobs: list[dict[int, Logprob]] | None
@@ -123,11 +136,13 @@ class _Group:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    stream: bool
     samples: list[_Sample] = field(default_factory=list)
 
 
 class OutputProcessor:
-    """Keeps each request's detokenization state and builds RequestOutputs.
+    """Keeps each request's detokenization state and builds RequestOutputs:
+    at every step for streamed requests, once at the end for the others.
 
     ``finish`` ends a sequence whose text hit a stop string (the engine frees
     its KV blocks in the same step)."""
@@ -137,16 +152,17 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.finish = finish
         self._groups: dict[str, _Group] = {}
-        self._group_of: dict[str, _Group] = {}  # sequence request id -> its group
+        self._sample_of: dict[str, tuple[_Group, _Sample]] = {}  # by sequence request id
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            sequences: list[Request]) -> None:
-        group = _Group(request_id, prompt, prompt_token_ids)
-        for seq in sequences:
+            sequences: list[Request], stream: bool) -> None:
+        group = _Group(request_id, prompt, prompt_token_ids, stream)
+        for index, seq in enumerate(sequences):
             want = seq.sampling_params.logprobs is not None
-            group.samples.append(_Sample(seq, SequenceDetokenizer(self.tokenizer, seq),
-                                         [] if want else None, 0.0 if want else None))
-            self._group_of[seq.request_id] = group
+            sample = _Sample(index, seq, SequenceDetokenizer(self.tokenizer, seq, stream),
+                             [] if want else None, 0.0 if want else None)
+            group.samples.append(sample)
+            self._sample_of[seq.request_id] = (group, sample)
         self._groups[request_id] = group
 
     def remove(self, request_id: str) -> list[str]:
@@ -156,7 +172,7 @@ class OutputProcessor:
             return []
         ids = [s.request.request_id for s in group.samples]
         for sid in ids:
-            del self._group_of[sid]
+            del self._sample_of[sid]
         return ids
 
     def sequence_ids(self, request_id: str) -> list[str]:
@@ -165,16 +181,16 @@ class OutputProcessor:
 
     def process(self, updated: list[Request],
                 logprobs: dict[str, TokenLogprobs]) -> list[RequestOutput]:
-        """Detokenize the new token of each updated sequence and return one output
-        per affected request; finished requests are forgotten."""
+        """Take in the new token of each updated sequence; returns an output for
+        each streamed request that progressed and each request that finished
+        (which is then forgotten)."""
         touched: dict[str, _Group] = {}
         for seq in updated:
-            group = self._group_of.get(seq.request_id)
-            if group is None:
+            entry = self._sample_of.get(seq.request_id)
+            if entry is None:
                 continue
-            sample = next(s for s in group.samples if s.request is seq)
-            token = seq.all_token_ids[-1]
-            stop = sample.detokenizer.add_token(token, seq.num_output_tokens)
+            group, sample = entry
+            stop = sample.detokenizer.add_token(seq.all_token_ids[-1], seq.num_output_tokens)
             if stop is not None and not seq.is_finished:
                 self.finish(seq, stop)
             lp = logprobs.get(seq.request_id)
@@ -184,10 +200,11 @@ class OutputProcessor:
             touched[group.request_id] = group
         outputs = []
         for group in touched.values():
-            output = self._output(group)
-            if output.finished:
-                self.remove(group.request_id)
-            outputs.append(output)
+            finished = all(s.request.is_finished for s in group.samples)
+            if finished or group.stream:
+                outputs.append(self._output(group, finished))
+                if finished:
+                    self.remove(group.request_id)
         return outputs
 
     def _logprob_entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
@@ -200,27 +217,25 @@ class OutputProcessor:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], False)
 
     @staticmethod
-    def _output(group: _Group) -> RequestOutput:
+    def _output(group: _Group, finished: bool) -> RequestOutput:
         completions = []
-        for index, sample in enumerate(group.samples):
+        for sample in group.samples:
             seq = sample.request
             completions.append(CompletionOutput(
-                index=index,
+                index=sample.index,
                 text=sample.detokenizer.visible_text(seq.is_finished),
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=sample.cumulative_logprob,
                 logprobs=sample.logprobs,
                 finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
                 stop_reason=seq.stop_reason))
-        first = group.samples[0].request
+        seqs = [s.request for s in group.samples]
         metrics = RequestMetrics(
-            arrival_time=first.arrival_time,
-            first_scheduled_time=min((s.request.first_scheduled_time for s in group.samples
-                                      if s.request.first_scheduled_time is not None), default=None),
-            first_token_time=min((s.request.first_token_time for s in group.samples
-                                  if s.request.first_token_time is not None), default=None),
-            finished_time=max((s.request.finished_time or 0.0 for s in group.samples), default=None)
-            if all(s.request.is_finished for s in group.samples) else None,
-            num_preemptions=sum(s.request.num_preemptions for s in group.samples))
+            arrival_time=seqs[0].arrival_time,
+            first_scheduled_time=min((t for s in seqs if (t := s.first_scheduled_time)),
+                                     default=None),
+            first_token_time=min((t for s in seqs if (t := s.first_token_time)), default=None),
+            finished_time=max(s.finished_time for s in seqs) if finished else None,
+            num_preemptions=sum(s.num_preemptions for s in seqs))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             all(c.finished for c in completions), metrics)
+                             finished, metrics)

@@ -24,6 +24,8 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from inflight.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 # Bump when the converted layout changes, so stale caches are not reused.
@@ -53,13 +55,6 @@ _LAYER_TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-def cache_root() -> Path:
-    env = os.environ.get("INFLIGHT_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "inflight"
 
 
 def converted_dir(gguf_path: Path) -> Path:

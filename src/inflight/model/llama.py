@@ -16,11 +16,13 @@ from torch import nn
 from inflight.attention.backend import AttentionBackend
 from inflight.model.config import ModelConfig
 from inflight.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from inflight.ops.torch_ops import TorchOps
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, sliding_window: int | None,
-                 backend: AttentionBackend, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+                 backend: AttentionBackend, ops: TorchOps, rotary: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -30,6 +32,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.sliding_window = sliding_window
         self.backend = backend
+        self.ops = ops
         self.rotary = rotary
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                config.qkv_bias, dtype)
@@ -37,11 +40,9 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q.view(num_tokens, self.num_heads, self.head_dim),
-                           k.view(num_tokens, self.num_kv_heads, self.head_dim))
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.ops.rotary_qkv(self.qkv_proj(x), positions, self.rotary.cos,
+                                      self.rotary.sin, self.num_heads, self.num_kv_heads,
+                                      self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
                                    sliding_window=self.sliding_window)
         return self.o_proj(out)
@@ -49,22 +50,33 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend,
-                 rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+                 ops: TorchOps, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, config.sliding_windows[layer_index], backend, rotary, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, ops)
+        self.self_attn = Attention(config, config.sliding_windows[layer_index], backend, ops,
+                                   rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, ops)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
+                            dtype, ops)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried separately so that each add fuses with
+        the norm that follows it; returns (this layer's MLP output, residual)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: TorchOps,
+                 max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
@@ -72,23 +84,22 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), _freeze=True)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, backend, rotary, dtype) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, False, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, ops, rotary, dtype)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: Any) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the step's flat token list."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, metadata)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, metadata)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
     # ------------------------------------------------------------- loading
@@ -111,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: some checkpoints store a copy of the embedding
             offset = None
             for hf_part, (ours, row) in fused.items():

@@ -10,6 +10,7 @@ prompt samples nothing).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,10 +72,10 @@ class ModelRunner:
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(
             query_start_loc[:-1] - context_lens, num_new_np)
 
-        max_blocks = max(len(b) for b in out.block_ids)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-        for i, blocks in enumerate(out.block_ids):
-            block_table[i, :len(blocks)] = blocks
+        num_blocks = np.fromiter(map(len, out.block_ids), np.int64, num_reqs)
+        block_table = np.zeros((num_reqs, int(num_blocks.max())), dtype=np.int64)
+        block_table[np.arange(block_table.shape[1]) < num_blocks[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(out.block_ids), np.int64, int(num_blocks.sum()))
         token_rows = np.repeat(np.arange(num_reqs), num_new_np)
         bs = self.block_size
         slot_mapping = block_table[token_rows, positions // bs] * bs + positions % bs
@@ -119,7 +120,7 @@ class ModelRunner:
         if sample_rows:
             logits_index = torch.from_numpy(layout.query_start_loc[np.array(sample_rows) + 1] - 1)
             logits = self.model.compute_logits(hidden[logits_index.to(device)])
-            result = self.sampler(logits, self._sampling_rows(out, sample_rows))
+            result = self.sampler.sample(logits, self._sampling_rows(out, sample_rows))
             for row, token, lp in zip(sample_rows, result.token_ids, result.logprobs):
                 sampled[row] = token
                 logprobs[row] = lp

@@ -57,7 +57,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[S, V]`` (modified in place)."""
         logits = logits.float()
         want_logprobs = [r.params.logprobs for r in rows]

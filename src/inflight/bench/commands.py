@@ -1,0 +1,204 @@
+"""``inflight bench throughput`` and ``inflight bench sweep``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inflight.bench.throughput import ThroughputResult, matmul_flops, run_engine, run_hf_generate
+from inflight.bench.workloads import SYNTHETIC, BenchRequest, from_file, synthetic
+from inflight.config import EngineConfig
+from inflight.engine.engine_core import EngineCore
+from inflight.model.loader import resolve_model_dir
+
+SWEEP_SEQS = (4, 8, 16, 32, 64, 128)
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--workload", default="mixed",
+                       help=f"one of {', '.join(SYNTHETIC)}, or a JSON file "
+                            '{"requests": [{"prompt_token_ids" or "prompt", "max_tokens"}]}')
+    group.add_argument("--num-requests", type=int, default=64)
+    group.add_argument("--seed", dest="workload_seed", type=int, default=0)
+    group.add_argument("--input-len", type=int, default=128, help="uniform workload prompt length")
+    group.add_argument("--output-len", type=int, default=128, help="uniform workload output length")
+    group.add_argument("--ignore-eos", action="store_true",
+                       help="generate exactly max_tokens per request")
+
+
+def load_workload(args: argparse.Namespace, engine: EngineCore) -> list[BenchRequest]:
+    if args.workload in SYNTHETIC:
+        return synthetic(args.workload, args.num_requests, args.workload_seed,
+                         engine.model_config.vocab_size, engine.max_model_len,
+                         _special_ids(engine), args.input_len, args.output_len)
+    return from_file(Path(args.workload))
+
+
+def _special_ids(engine: EngineCore) -> frozenset[int]:
+    specials = engine.tokenizer.special_token_ids if engine.tokenizer else frozenset()
+    return specials | engine.eos_token_ids
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _engine(base: EngineConfig, model_stub: bool = False, **changes: Any) -> EngineCore:
+    return EngineCore(dataclasses.replace(base, **changes), model_stub=model_stub)
+
+
+def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
+    seqs = _int_list(args.max_num_seqs_list) if args.max_num_seqs_list else [base.max_num_seqs]
+    modes = [m for m in args.scheduling_list.split(",") if m]
+    results: list[ThroughputResult] = []
+    requests = None
+    engine = None
+    for mode in modes:
+        for n in seqs:
+            engine = _engine(base, args.model_stub, scheduling=mode, max_num_seqs=n)
+            requests = requests or load_workload(args, engine)
+            print(f"running {mode} batching, max_num_seqs={n}, {len(requests)} requests ...",
+                  flush=True)
+            results.append(run_engine(engine, requests, label=mode, ignore_eos=args.ignore_eos,
+                                      profile=args.profile))
+    assert engine is not None and requests is not None
+    if args.baseline == "hf":
+        print(f"running Hugging Face generate, static batches of {args.hf_batch_size} ...", flush=True)
+        pad = engine.tokenizer.token_to_id(engine.tokenizer.special_tokens.get("pad_token", "")) \
+            if engine.tokenizer else None
+        results.append(run_hf_generate(
+            resolve_model_dir(base.model), requests, batch_size=args.hf_batch_size,
+            ignore_eos=args.ignore_eos, dtype=engine.dtype,
+            pad_token_id=pad if pad is not None else 0, eos_token_ids=sorted(engine.eos_token_ids)))
+    report = _report(args, base, engine, requests, results)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.output_json}")
+    return 0
+
+
+def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
+            requests: list[BenchRequest], results: list[ThroughputResult]) -> dict[str, Any]:
+    print()
+    print(f"{'run':<12}{'seqs':>5}{'req/s':>8}{'out tok/s':>11}{'total tok/s':>13}"
+          f"{'occupancy':>11}{'idle slot-steps':>17}{'(padded)':>10}{'steps':>7}{'wall s':>8}"
+          f"{'preempt':>9}")
+    for r in results:
+        print(f"{r.label:<12}{r.max_num_seqs:>5}{r.requests_per_second:>8.2f}"
+              f"{r.output_tokens_per_second:>11.1f}{r.total_tokens_per_second:>13.1f}"
+              f"{100 * r.mean_occupancy:>10.1f}%{r.idle_slot_steps:>17}{r.padded_slot_steps:>10}"
+              f"{r.steps:>7}{r.wall_seconds:>8.1f}{r.preemptions:>9}")
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
+        "workload": {"name": args.workload, "num_requests": len(requests),
+                     "seed": args.workload_seed, "ignore_eos": args.ignore_eos},
+        "engine": dataclasses.asdict(base) | {"model_stub": args.model_stub},
+        "results": [r.summary() for r in results],
+    }
+    engine_runs = [r for r in results if r.label != "hf-generate"]
+    if not args.model_stub:
+        flops = matmul_flops(engine.device, engine.dtype)
+        params = engine.num_parameters
+        roofline = flops / (2 * params)
+        best = max(engine_runs, key=lambda r: r.total_tokens_per_second)
+        pct = 100 * best.total_tokens_per_second / roofline
+        print(f"\nroofline: {flops / 1e9:.0f} GFLOP/s (2048^3 {engine.config.dtype} matmul) / "
+              f"(2 x {params / 1e6:.1f}M parameters) = {roofline:.0f} tokens/s; "
+              f"best run {best.total_tokens_per_second:.0f} total tokens/s = {pct:.0f}% of roofline")
+        report["roofline"] = {"matmul_flops": flops, "parameters": params,
+                              "tokens_per_second": roofline, "best_percent": pct}
+    ratios = _ratios(results)
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}x")
+    report["ratios"] = ratios
+    for r in results:
+        if r.profile_ms_per_step:
+            print(f"\nwhere a step's time goes ({r.label}, max_num_seqs={r.max_num_seqs}, "
+                  f"{r.steps} steps):")
+            for name, ms in r.profile_ms_per_step.items():
+                print(f"  {name:<16}{ms:9.2f} ms")
+    if args.model_stub:
+        for r in results:
+            prof = r.profile_ms_per_step or {}
+            overhead = prof.get("scheduling", 0.0) + prof.get("input prep", 0.0)
+            mean_batch = r.mean_occupancy * r.max_num_seqs
+            print(f"\nscheduler + input prep with a no-op model: {overhead:.3f} ms per step "
+                  f"(mean batch {mean_batch:.0f} requests, {r.steps} steps)")
+            report.setdefault("stub", []).append({"max_num_seqs": r.max_num_seqs,
+                                                  "scheduler_and_prep_ms_per_step": overhead,
+                                                  "mean_batch": mean_batch})
+    return report
+
+
+def _ratios(results: list[ThroughputResult]) -> dict[str, float]:
+    """Continuous over static at each max_num_seqs, and over HF generate."""
+    by = {(r.label, r.max_num_seqs): r for r in results}
+    ratios = {}
+    for (label, n), r in by.items():
+        if label == "continuous" and ("static", n) in by:
+            ratios[f"continuous/static output tokens/s at max_num_seqs={n}"] = (
+                r.output_tokens_per_second / by["static", n].output_tokens_per_second)
+    hf = next((r for r in results if r.label == "hf-generate"), None)
+    if hf is not None:
+        for (label, n), r in by.items():
+            if label == "continuous":
+                ratios[f"continuous (max_num_seqs={n}) / hf-generate (batch {hf.max_num_seqs}) "
+                       "output tokens/s"] = r.output_tokens_per_second / hf.output_tokens_per_second
+    return ratios
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def sweep(args: argparse.Namespace, base: EngineConfig) -> int:
+    from inflight.bench import plots  # matplotlib: the `bench` extra
+
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seqs = _int_list(args.max_num_seqs_list) if args.max_num_seqs_list else list(SWEEP_SEQS)
+    results: list[ThroughputResult] = []
+    requests = None
+    for n in seqs:
+        for mode in ("continuous", "static"):
+            engine = _engine(base, scheduling=mode, max_num_seqs=n)
+            requests = requests or load_workload(args, engine)
+            print(f"running {mode} batching, max_num_seqs={n} ...", flush=True)
+            r = run_engine(engine, requests, label=mode, ignore_eos=args.ignore_eos)
+            print(f"  {r.output_tokens_per_second:.1f} output tokens/s, "
+                  f"{r.total_tokens_per_second:.1f} total tokens/s, "
+                  f"occupancy {100 * r.mean_occupancy:.0f}%", flush=True)
+            results.append(r)
+    plots.throughput_vs_batch(results, out_dir / "throughput_vs_batch.png", args.workload)
+
+    small = synthetic("mixed", args.timeline_requests, args.workload_seed,
+                      engine.model_config.vocab_size, engine.max_model_len, _special_ids(engine))
+    timelines = []
+    for mode in ("continuous", "static"):
+        engine = _engine(base, scheduling=mode, max_num_seqs=args.timeline_seqs)
+        timelines.append(run_engine(engine, small, label=mode, ignore_eos=True,
+                                    record_batches=True))
+    plots.slot_timeline(timelines, out_dir / "slot_occupancy_timeline.png")
+    data = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(),
+            "workload": args.workload, "num_requests": len(requests or []),
+            "results": [r.summary() for r in results],
+            "timeline": [r.summary() for r in timelines]}
+    (out_dir / "sweep.json").write_text(json.dumps(data, indent=2))
+    print(f"wrote {out_dir}/throughput_vs_batch.png, slot_occupancy_timeline.png, sweep.json")
+    return 0

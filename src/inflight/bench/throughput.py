@@ -1,0 +1,193 @@
+"""Offline throughput: run a workload through the engine (continuous or static
+batching) or through Hugging Face ``generate`` with static batches, and report
+requests/s, tokens/s, slot occupancy, idle slot-steps and the fraction of the
+machine's matmul roofline that the engine reaches."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inflight.bench.profiler import StepProfiler
+from inflight.bench.workloads import BenchRequest
+from inflight.core.sampling_params import SamplingParams
+from inflight.engine.engine_core import EngineCore
+
+
+@dataclass
+class ThroughputResult:
+    label: str
+    max_num_seqs: int
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    wall_seconds: float
+    steps: int
+    mean_occupancy: float        # mean over steps of (live requests in the batch / max_num_seqs)
+    idle_slot_steps: int         # sum over steps of (max_num_seqs - live requests), padding included
+    padded_slot_steps: int = 0   # of which slots computed as padding (static batching)
+    preemptions: int = 0
+    profile_ms_per_step: dict[str, float] | None = None
+    # Requests in the batch at each step (for the occupancy timeline).
+    occupancy: list[int] = field(default_factory=list, repr=False)
+    # Ids of the live and padding requests in the batch at each step (slot picture).
+    batches: list[list[str]] = field(default_factory=list, repr=False)
+    padding: list[list[str]] = field(default_factory=list, repr=False)
+
+    @property
+    def requests_per_second(self) -> float:
+        return self.num_requests / self.wall_seconds
+
+    @property
+    def output_tokens_per_second(self) -> float:
+        return self.output_tokens / self.wall_seconds
+
+    @property
+    def total_tokens_per_second(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_seconds
+
+    def summary(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["occupancy"], data["batches"], data["padding"]
+        data.update(requests_per_second=self.requests_per_second,
+                    output_tokens_per_second=self.output_tokens_per_second,
+                    total_tokens_per_second=self.total_tokens_per_second)
+        return data
+
+
+def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
+               ignore_eos: bool, profile: bool = False, record_batches: bool = False,
+               warmup: bool = True) -> ThroughputResult:
+    """Add every request at once, step the engine until all finish, and time it."""
+    if warmup:
+        _warm_up(engine)
+    profiler = None
+    if profile:
+        profiler = StepProfiler(engine.device)
+        profiler.attach(engine)
+    ids = [engine.add_request(r.as_prompt(), SamplingParams(
+        temperature=0, max_tokens=r.max_tokens, ignore_eos=ignore_eos)) for r in requests]
+    pending = set(ids)
+    prompt_tokens = output_tokens = steps = idle = padded = 0
+    occupancy: list[int] = []
+    batches: list[list[str]] = []
+    padding: list[list[str]] = []
+    slots = engine.scheduler.max_num_seqs
+    preemptions_before = engine.scheduler.stats.num_preemptions
+    start = time.perf_counter()
+    while pending:
+        for out in engine.step():
+            if out.finished:
+                pending.discard(out.request_id)
+                prompt_tokens += len(out.prompt_token_ids)
+                output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        stats = engine.last_step
+        if stats.num_requests or stats.num_padding:
+            steps += 1
+            idle += slots - stats.num_requests
+            padded += stats.num_padding
+            occupancy.append(stats.num_requests)
+            if record_batches:
+                batches.append(stats.request_ids)
+                padding.append(stats.padding_ids)
+    wall = time.perf_counter() - start
+    return ThroughputResult(
+        label=label, max_num_seqs=slots, num_requests=len(requests),
+        prompt_tokens=prompt_tokens, output_tokens=output_tokens, wall_seconds=wall,
+        steps=steps, mean_occupancy=sum(occupancy) / max(1, steps) / slots,
+        idle_slot_steps=idle, padded_slot_steps=padded,
+        preemptions=engine.scheduler.stats.num_preemptions - preemptions_before,
+        profile_ms_per_step=profiler.report() if profiler else None,
+        occupancy=occupancy, batches=batches, padding=padding)
+
+
+def _warm_up(engine: EngineCore) -> None:
+    """One short mixed batch so that one-time kernel setup is not timed."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = [engine.add_request({"prompt_token_ids": [100 + i] * (8 + 40 * i)}, params)
+           for i in range(3)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    del ids
+
+
+def run_hf_generate(model_dir: Path, requests: list[BenchRequest], *, batch_size: int,
+                    ignore_eos: bool, dtype: torch.dtype = torch.float32,
+                    pad_token_id: int = 0, eos_token_ids: list[int] | None = None) -> ThroughputResult:
+    """Hugging Face transformers ``generate`` over static batches with left padding:
+    each batch runs until its longest request is done."""
+    import transformers  # optional: the `bench` and `test` extras
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    _hf_generate_batch(model, batches[0][:2], ignore_eos, pad_token_id, eos_token_ids, max_new=2)
+    prompt_tokens = output_tokens = steps = idle = padded = 0
+    occupancy = []
+    start = time.perf_counter()
+    for batch in batches:
+        generated = _hf_generate_batch(model, batch, ignore_eos, pad_token_id, eos_token_ids)
+        longest = max(r.max_tokens for r in batch)
+        for r, tokens in zip(batch, generated):
+            prompt_tokens += len(r.prompt_token_ids)
+            output_tokens += len(tokens)
+        # Every row of the batch is computed at each step: finished rows as padding.
+        for step in range(longest):
+            live = sum(len(tokens) > step for tokens in generated)
+            occupancy.append(live)
+            idle += batch_size - live
+            padded += len(batch) - live
+        steps += longest
+    wall = time.perf_counter() - start
+    return ThroughputResult(
+        label="hf-generate", max_num_seqs=batch_size, num_requests=len(requests),
+        prompt_tokens=prompt_tokens, output_tokens=output_tokens, wall_seconds=wall,
+        steps=steps, mean_occupancy=sum(occupancy) / max(1, steps) / batch_size,
+        idle_slot_steps=idle, padded_slot_steps=padded, occupancy=occupancy)
+
+
+@torch.inference_mode()
+def _hf_generate_batch(model: torch.nn.Module, batch: list[BenchRequest], ignore_eos: bool,
+                       pad_token_id: int, eos_token_ids: list[int] | None,
+                       max_new: int | None = None) -> list[list[int]]:
+    if any(r.prompt_token_ids is None for r in batch):
+        raise ValueError("the Hugging Face baseline needs token-id prompts")
+    width = max(len(r.prompt_token_ids) for r in batch)
+    ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, r in enumerate(batch):
+        ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+        mask[i, width - len(r.prompt_token_ids):] = 1
+    longest = max_new or max(r.max_tokens for r in batch)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                         max_new_tokens=longest, min_new_tokens=longest if ignore_eos else None,
+                         pad_token_id=pad_token_id,
+                         eos_token_id=None if ignore_eos else eos_token_ids)
+    results = []
+    for i, r in enumerate(batch):
+        tokens = out[i, width:].tolist()[:min(longest, r.max_tokens)]
+        if not ignore_eos and eos_token_ids:
+            cut = next((k + 1 for k, t in enumerate(tokens) if t in eos_token_ids), len(tokens))
+            tokens = tokens[:cut]
+        results.append(tokens)
+    return results
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 2048,
+                 repeats: int = 5) -> float:
+    """Best FLOP/s of a ``size``-cubed matrix product on this device."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best

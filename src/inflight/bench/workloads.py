@@ -1,0 +1,86 @@
+"""Benchmark workloads: a JSON file or built-in synthetic mixes with a seed.
+
+Synthetic prompts are random ordinary (non-special) token ids: the cost of a
+step does not depend on what the tokens say.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# ShareGPT's mean lengths as reported in the vLLM paper (Kwon et al., 2023).
+SHAREGPT_INPUT_MEAN = 161
+SHAREGPT_OUTPUT_MEAN = 338
+SHAREGPT_SIGMA = 1.0  # log-normal shape
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int] | None
+    max_tokens: int
+    prompt: str | None = None
+
+    def as_prompt(self) -> dict[str, Any]:
+        if self.prompt_token_ids is not None:
+            return {"prompt_token_ids": self.prompt_token_ids}
+        return {"prompt": self.prompt}
+
+
+SYNTHETIC = ("mixed", "sharegpt-like", "uniform")
+
+
+def synthetic(name: str, num_requests: int, seed: int, vocab_size: int, max_model_len: int,
+              special_ids: frozenset[int] = frozenset(), input_len: int = 128,
+              output_len: int = 128) -> list[BenchRequest]:
+    """``mixed``: prompts uniform in 16..256 tokens, outputs 16/64/256 with weights
+    .5/.3/.2; ``sharegpt-like``: log-normal lengths with ShareGPT's means, clipped
+    to the context; ``uniform``: every request ``input_len`` in, ``output_len`` out."""
+    rng = random.Random(seed)
+    ordinary = [t for t in range(vocab_size) if t not in special_ids]
+
+    def prompt(n: int) -> list[int]:
+        return [rng.choice(ordinary) for _ in range(n)]
+
+    def lognormal(mean: float) -> int:
+        mu = math.log(mean) - SHAREGPT_SIGMA ** 2 / 2
+        return max(1, round(rng.lognormvariate(mu, SHAREGPT_SIGMA)))
+
+    requests = []
+    for _ in range(num_requests):
+        if name == "mixed":
+            n_in = rng.randint(16, 256)
+            n_out = rng.choices([16, 64, 256], weights=[0.5, 0.3, 0.2])[0]
+        elif name == "sharegpt-like":
+            n_in = min(lognormal(SHAREGPT_INPUT_MEAN), max_model_len // 2)
+            n_out = min(lognormal(SHAREGPT_OUTPUT_MEAN), max_model_len - n_in)
+        elif name == "uniform":
+            n_in, n_out = input_len, output_len
+        else:
+            raise ValueError(f"workload must be a file or one of {SYNTHETIC}, got {name!r}")
+        if n_in + n_out > max_model_len:
+            raise ValueError(f"a {name} request needs {n_in + n_out} tokens, more than "
+                             f"max_model_len={max_model_len}")
+        requests.append(BenchRequest(prompt(n_in), n_out))
+    return requests
+
+
+def from_file(path: Path) -> list[BenchRequest]:
+    """``{"requests": [{"prompt_token_ids": [...]} or {"prompt": "..."}, "max_tokens": N}]}``."""
+    data = json.loads(Path(path).read_text())
+    items = data.get("requests") if isinstance(data, dict) else None
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{path}: expected {{\"requests\": [...]}} with at least one request")
+    requests = []
+    for i, item in enumerate(items):
+        ids, text, max_tokens = item.get("prompt_token_ids"), item.get("prompt"), item.get("max_tokens")
+        if (ids is None) == (text is None):
+            raise ValueError(f"{path}: requests[{i}] needs exactly one of prompt_token_ids, prompt")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"{path}: requests[{i}].max_tokens must be an integer >= 1")
+        requests.append(BenchRequest(ids, max_tokens, text))
+    return requests

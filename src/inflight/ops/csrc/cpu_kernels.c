@@ -1,0 +1,395 @@
+/* CPU kernels for float32: linear layers, paged decode attention, and the small
+ * fused ops of a decoder layer (rotary embedding, residual add + RMSNorm,
+ * SiLU-and-multiply).
+ *
+ * PyTorch would run each of these as several separate operators whose fixed
+ * cost dominates at decode batch sizes; here each is one pass over the data.
+ * Loops are parallelised with OpenMP; loaded into a Python process that has
+ * imported torch, they share PyTorch's OpenMP runtime, so torch.set_num_threads
+ * governs them too. All tensors are contiguous, row-major.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Parallelise only loops with at least this many elements of work. */
+#define PARALLEL_MIN_WORK 32768
+
+/* 8 floats; loads and stores through it may be unaligned. */
+typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
+
+static inline float hsum8(v8f v)
+{
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* exp(x) for x <= 0 (softmax numerators), relative error below 2e-7. Plain
+ * arithmetic, so loops over it vectorise (libm's expf is a scalar call). */
+static inline float exp_nonpositive(float x)
+{
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504f + 0.5f);  /* x = n ln2 + r */
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
+    return p * two_n.f;
+}
+
+/* scores[i * stride] = scale * q . k_i for `count` keys `head_dim` floats apart.
+ * Eight keys at a time keep eight independent multiply-add chains in flight. */
+static inline __attribute__((always_inline)) void dot_keys(
+    const float *q, const float *k, int64_t count, int64_t head_dim, float scale,
+    float *scores, int64_t stride)
+{
+    int64_t i = 0;
+    if (head_dim % 8 == 0) {
+        for (; i + 8 <= count; i += 8) {
+            const float *k0 = k + i * head_dim;
+            v8f a[8] = {{0}};
+            for (int64_t d = 0; d < head_dim; d += 8) {
+                const v8f qv = *(const v8f *)(q + d);
+                for (int j = 0; j < 8; j++)
+                    a[j] += qv * *(const v8f *)(k0 + j * head_dim + d);
+            }
+            for (int j = 0; j < 8; j++)
+                scores[(i + j) * stride] = hsum8(a[j]) * scale;
+        }
+    }
+    for (; i < count; i++) {
+        const float *ki = k + i * head_dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+:dot)
+        for (int64_t d = 0; d < head_dim; d++)
+            dot += q[d] * ki[d];
+        scores[i * stride] = dot * scale;
+    }
+}
+
+/* out += sum_i p[i * stride] * v_i over `count` value rows. */
+static inline __attribute__((always_inline)) void accumulate_values(
+    const float *p, int64_t stride, const float *v, int64_t count, int64_t head_dim, float *out)
+{
+    if (head_dim % 8 == 0 && head_dim <= 256) {
+        v8f acc[32];
+        const int64_t chunks = head_dim / 8;
+        for (int64_t c = 0; c < chunks; c++)
+            acc[c] = *(const v8f *)(out + 8 * c);
+        for (int64_t i = 0; i < count; i++) {
+            const float w = p[i * stride];
+            const float *vi = v + i * head_dim;
+            for (int64_t c = 0; c < chunks; c++)
+                acc[c] += w * *(const v8f *)(vi + 8 * c);
+        }
+        for (int64_t c = 0; c < chunks; c++)
+            *(v8f *)(out + 8 * c) = acc[c];
+        return;
+    }
+    for (int64_t i = 0; i < count; i++) {
+        const float w = p[i * stride];
+        const float *vi = v + i * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++)
+            out[d] += w * vi[d];
+    }
+}
+
+/* Ask for a whole cache block ahead of use: blocks are scattered in memory, so
+ * the hardware prefetcher, which follows one address stream, loses the trail
+ * at every block boundary. */
+static inline void prefetch_block(const float *block, int64_t floats)
+{
+    for (int64_t i = 0; i < floats; i += 16)
+        __builtin_prefetch(block + i);
+}
+
+/* One (sequence, KV head) of decode attention; see below. `scores` holds n *
+ * group floats, key-major so that a block's keys are adjacent. Inlined with a
+ * constant head_dim for the common sizes, so the vector loops fully unroll. */
+static inline __attribute__((always_inline)) void attend_one(
+    const float *qh, float *oh, const float *kh, const float *vh, const int64_t *table,
+    int64_t first, int64_t len, int64_t block_size, int64_t block_stride, int64_t group,
+    int64_t head_dim, float scale, float *scores)
+{
+    const int64_t n = len - first;
+    const int64_t first_block = first / block_size;
+    const int64_t last_block = (len - 1) / block_size;
+
+    for (int64_t b = first_block, i = 0; b <= last_block; b++) {
+        const int64_t lo = b == first_block ? first - b * block_size : 0;
+        const int64_t hi = b == last_block ? len - b * block_size : block_size;
+        if (b < last_block)
+            prefetch_block(kh + table[b + 1] * block_stride, block_stride);
+        const float *kb = kh + table[b] * block_stride + lo * head_dim;
+        for (int64_t g = 0; g < group; g++)
+            dot_keys(qh + g * head_dim, kb, hi - lo, head_dim, scale, scores + i * group + g,
+                     group);
+        i += hi - lo;
+    }
+    float max[group], inv_sum[group];
+    for (int64_t g = 0; g < group; g++)
+        max[g] = -INFINITY;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < group; g++)
+            max[g] = scores[t * group + g] > max[g] ? scores[t * group + g] : max[g];
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < group; g++)
+            scores[t * group + g] -= max[g];
+#pragma omp simd
+    for (int64_t t = 0; t < n * group; t++)
+        scores[t] = exp_nonpositive(scores[t]);
+    for (int64_t g = 0; g < group; g++) {
+        float sum = 0.0f;
+        for (int64_t t = 0; t < n; t++)
+            sum += scores[t * group + g];
+        inv_sum[g] = 1.0f / sum;
+    }
+    memset(oh, 0, (size_t)(group * head_dim) * sizeof(float));
+    for (int64_t b = first_block, i = 0; b <= last_block; b++) {
+        const int64_t lo = b == first_block ? first - b * block_size : 0;
+        const int64_t hi = b == last_block ? len - b * block_size : block_size;
+        if (b < last_block)
+            prefetch_block(vh + table[b + 1] * block_stride, block_stride);
+        const float *vb = vh + table[b] * block_stride + lo * head_dim;
+        for (int64_t g = 0; g < group; g++)
+            accumulate_values(scores + i * group + g, group, vb, hi - lo, head_dim,
+                              oh + g * head_dim);
+        i += hi - lo;
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t d = 0; d < head_dim; d++)
+            oh[g * head_dim + d] *= inv_sum[g];
+}
+
+/* Decode attention over the paged KV cache.
+ *
+ * Sequence s has one query token in row rows[s] of q (and of out), each row laid
+ * out as [num_heads, head_dim] (rows q_stride and out_stride floats apart); it
+ * attends to its first seq_lens[s] positions (the last `window` of them when
+ * window > 0), whose K/V live in blocks block_tables[s, :] of k_cache/v_cache
+ * [num_kv_heads, num_blocks, block_size, head_dim]. Query head j reads KV head
+ * j / (num_heads / num_kv_heads). K and V are read in place, block by block:
+ * nothing is gathered or padded. Returns -1 if scratch memory ran out.
+ */
+int inflight_decode_attention_f32(
+    const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
+    int64_t num_seqs, const float *k_cache, const float *v_cache, int64_t num_blocks,
+    int64_t block_size, const int64_t *block_tables, int64_t max_blocks,
+    const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    float scale, int64_t window)
+{
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    const int64_t block_stride = block_size * head_dim;
+    int failed = 0;
+
+#pragma omp parallel if (num_seqs * num_kv_heads > 1)
+    {
+        float *scores = NULL;  /* [n, group]: key-major, so each block's keys are adjacent */
+        int64_t capacity = 0;
+
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const int64_t len = seq_lens[s];
+                const int64_t first = (window > 0 && len > window) ? len - window : 0;
+                const int64_t n = len - first;
+                if (n * group > capacity) {
+                    float *grown = realloc(scores, (size_t)(n * group) * sizeof(float));
+                    if (grown == NULL) {
+#pragma omp atomic write
+                        failed = 1;
+                        continue;
+                    }
+                    scores = grown;
+                    capacity = n * group;
+                }
+                const int64_t row = rows[s];
+                const float *qh = q + row * q_stride + h * group * head_dim;
+                float *oh = out + row * out_stride + h * group * head_dim;
+                const int64_t *table = block_tables + s * max_blocks;
+                const float *kh = k_cache + h * head_stride;
+                const float *vh = v_cache + h * head_stride;
+                if (head_dim == 64)
+                    attend_one(qh, oh, kh, vh, table, first, len, block_size, block_stride,
+                               group, 64, scale, scores);
+                else if (head_dim == 128)
+                    attend_one(qh, oh, kh, vh, table, first, len, block_size, block_stride,
+                               group, 128, scale, scores);
+                else
+                    attend_one(qh, oh, kh, vh, table, first, len, block_size, block_stride,
+                               group, head_dim, scale, scores);
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* ---- Linear layers: y[M, N] = x[M, K] . W[N, K]^T (+ bias) ----
+ *
+ * W is packed once into panels of LINEAR_NR output columns, k-major inside a
+ * panel ([ceil(N / NR)][K][NR], zero-padded), so the microkernel streams it
+ * contiguously. The microkernel keeps a 6 x 16 block of y in twelve vector
+ * registers and, for each k, broadcasts six x values against the two weight
+ * vectors. Each output is summed over k in the same order whatever M is, so
+ * a row's result does not depend on the rest of the batch. Threads split the
+ * panels. */
+#define LINEAR_NR 16
+#define LINEAR_MR 6
+
+void inflight_pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k)
+{
+    const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR;
+#pragma omp parallel for
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = packed + p * k * LINEAR_NR;
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t j = 0; j < LINEAR_NR; j++) {
+                const int64_t col = p * LINEAR_NR + j;
+                dst[kk * LINEAR_NR + j] = col < n ? w[col * k + kk] : 0.0f;
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void linear_block(
+    const float *x, int64_t k, const float *panel, const float *bias, float *y, int64_t n,
+    int64_t col, int64_t cols, int rows)
+{
+    v8f acc[LINEAR_MR][2];
+    for (int r = 0; r < LINEAR_MR; r++)
+        acc[r][0] = acc[r][1] = (v8f){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        const v8f w0 = *(const v8f *)(panel + kk * LINEAR_NR);
+        const v8f w1 = *(const v8f *)(panel + kk * LINEAR_NR + 8);
+        for (int r = 0; r < rows; r++) {
+            const float xv = x[r * k + kk];
+            acc[r][0] += xv * w0;
+            acc[r][1] += xv * w1;
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float *yr = y + r * n + col;
+        if (cols == LINEAR_NR) {
+            v8f b0 = {0}, b1 = {0};
+            if (bias) {
+                b0 = *(const v8f *)(bias + col);
+                b1 = *(const v8f *)(bias + col + 8);
+            }
+            *(v8f *)yr = acc[r][0] + b0;
+            *(v8f *)(yr + 8) = acc[r][1] + b1;
+        } else {
+            for (int64_t j = 0; j < cols; j++)
+                yr[j] = (j < 8 ? acc[r][0][j] : acc[r][1][j - 8]) + (bias ? bias[col + j] : 0.0f);
+        }
+    }
+}
+
+void inflight_linear_f32(const float *x, const float *packed, const float *bias, float *y,
+                         int64_t m, int64_t n, int64_t k)
+{
+    const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR;
+#pragma omp parallel for schedule(static) if (m * n * k > PARALLEL_MIN_WORK)
+    for (int64_t p = 0; p < panels; p++) {
+        const float *panel = packed + p * k * LINEAR_NR;
+        const int64_t col = p * LINEAR_NR;
+        const int64_t cols = n - col < LINEAR_NR ? n - col : LINEAR_NR;
+        int64_t row = 0;
+        for (; row + LINEAR_MR <= m; row += LINEAR_MR)
+            linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, LINEAR_MR);
+        switch (m - row) {  /* constant row counts, so each tail is unrolled too */
+        case 5: linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, 5); break;
+        case 4: linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, 4); break;
+        case 3: linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, 3); break;
+        case 2: linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, 2); break;
+        case 1: linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* Store each token's K and V rows (rows k_stride / v_stride floats apart, each
+ * [num_kv_heads, head_dim]) at its slot in the head-major caches [num_kv_heads,
+ * num_slots, head_dim]. */
+void inflight_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                           float *k_cache, float *v_cache, const int64_t *slots,
+                           int64_t num_tokens, int64_t num_kv_heads, int64_t num_slots,
+                           int64_t head_dim)
+{
+    const size_t row = (size_t)head_dim * sizeof(float);
+#pragma omp parallel for if (num_tokens * num_kv_heads * head_dim > PARALLEL_MIN_WORK)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t dst = (h * num_slots + slots[t]) * head_dim;
+            memcpy(k_cache + dst, k + t * k_stride + h * head_dim, row);
+            memcpy(v_cache + dst, v + t * v_stride + h * head_dim, row);
+        }
+    }
+}
+
+/* Rotary position embedding in place, "rotate half" convention: in each of the
+ * first num_heads heads of every row of x [num_tokens, row_stride], element i
+ * pairs with i + head_dim/2. cos/sin are [max_positions, head_dim/2]. */
+void inflight_rotary_f32(float *x, int64_t num_tokens, int64_t row_stride, int64_t num_heads,
+                         int64_t head_dim, const int64_t *positions, const float *cos,
+                         const float *sin)
+{
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for if (num_tokens * num_heads * head_dim > PARALLEL_MIN_WORK)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos + positions[t] * half;
+        const float *s = sin + positions[t] * half;
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *x1 = x + t * row_stride + h * head_dim;
+            float *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+/* residual += x, then out = residual / rms(residual) * weight, per row. */
+void inflight_add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
+                               int64_t num_tokens, int64_t hidden, float eps)
+{
+#pragma omp parallel for if (num_tokens * hidden > PARALLEL_MIN_WORK)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *xt = x + t * hidden;
+        float *rt = residual + t * hidden;
+        float *ot = out + t * hidden;
+        float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+        for (int64_t i = 0; i < hidden; i++) {
+            const float r = rt[i] + xt[i];
+            rt[i] = r;
+            sum += r * r;
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++)
+            ot[i] = rt[i] * inv * weight[i];
+    }
+}
+
+/* out[t, i] = silu(x[t, i]) * x[t, size + i] for x [num_tokens, 2 * size]. */
+void inflight_silu_and_mul_f32(const float *x, float *out, int64_t num_tokens, int64_t size)
+{
+#pragma omp parallel for if (num_tokens * size > PARALLEL_MIN_WORK)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *gate = x + t * 2 * size;
+        const float *up = gate + size;
+        float *ot = out + t * size;
+        for (int64_t i = 0; i < size; i++)
+            ot[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}

@@ -1,0 +1,88 @@
+"""The C kernels agree with the PyTorch reference implementations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from inflight.attention.backend import BatchLayout
+from inflight.attention.cpu_paged import CpuPagedBackend
+from inflight.attention.torch_paged import TorchPagedBackend
+from inflight.ops.cpu_ops import CpuOps, load_library
+from inflight.ops.torch_ops import TorchOps
+
+lib = load_library()
+pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler to build the CPU kernels")
+
+
+@pytest.fixture(scope="module")
+def ops() -> CpuOps:
+    return CpuOps(lib)
+
+
+def test_rotary(ops):
+    heads, kv_heads, dim, tokens = 6, 2, 64, 11
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    positions = torch.randint(0, 100, (tokens,))
+    angles = torch.rand(100, dim // 2) * 6
+    cos, sin = angles.cos(), angles.sin()
+    expected = TorchOps().rotary_qkv(qkv.clone(), positions, cos, sin, heads, kv_heads, dim)
+    got = ops.rotary_qkv(qkv, positions, cos, sin, heads, kv_heads, dim)
+    for e, g in zip(expected, got):
+        assert torch.allclose(e, g, atol=1e-5)
+
+
+def test_add_rms_norm_and_silu(ops):
+    x, residual, weight = torch.randn(5, 576), torch.randn(5, 576), torch.randn(576)
+    expected = TorchOps().add_rms_norm(x, residual.clone(), weight, 1e-5)
+    got = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.allclose(expected[0], got[0], atol=1e-5)
+    assert torch.equal(expected[1], got[1]) and got[1] is residual  # added in place
+    gate_up = torch.randn(7, 2 * 40)
+    assert torch.allclose(TorchOps().silu_and_mul(gate_up), ops.silu_and_mul(gate_up), atol=1e-6)
+
+
+def _mixed_layout(rng, batch, block_size, num_blocks):
+    context = rng.integers(0, 200, batch)
+    query = np.where(rng.random(batch) < 0.7, 1, rng.integers(2, 30, batch))
+    seq = context + query
+    blocks = -(-seq // block_size)
+    free = rng.permutation(num_blocks)
+    table = np.zeros((batch, blocks.max()), np.int64)
+    used = 0
+    for i in range(batch):
+        table[i, :blocks[i]] = free[used:used + blocks[i]]
+        used += blocks[i]
+    start = np.zeros(batch + 1, np.int64)
+    start[1:] = np.cumsum(query)
+    positions = np.arange(start[-1]) - np.repeat(start[:-1] - context, query)
+    rows = np.repeat(np.arange(batch), query)
+    slots = table[rows, positions // block_size] * block_size + positions % block_size
+    return BatchLayout(start, context.astype(np.int64), seq.astype(np.int64), table, slots,
+                       block_size)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, window", [(9, 3, 64, None), (8, 2, 128, 40),
+                                                          (4, 4, 24, None), (6, 2, 40, 17)])
+def test_cpu_backend_matches_the_reference(ops, heads, kv_heads, dim, window):
+    rng = np.random.default_rng(dim)
+    block_size, num_blocks = 16, 400
+    layout = _mixed_layout(rng, 20, block_size, num_blocks)
+    tokens = layout.slot_mapping.shape[0]
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)  # strided views, as the model passes them
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    cache = (torch.randn(kv_heads, num_blocks, block_size, dim),
+             torch.randn(kv_heads, num_blocks, block_size, dim))
+    results = []
+    for backend in (TorchPagedBackend(), CpuPagedBackend(ops)):
+        k_cache, v_cache = cache[0].clone(), cache[1].clone()
+        metadata = backend.build_metadata(layout, torch.device("cpu"))
+        out = backend.forward(q, k, v, (k_cache, v_cache), metadata, scale=dim ** -0.5,
+                              sliding_window=window)
+        results.append((out, k_cache, v_cache))
+    (ref, ref_k, ref_v), (got, got_k, got_v) = results
+    assert torch.equal(ref_k, got_k) and torch.equal(ref_v, got_v)
+    assert torch.allclose(ref, got, atol=2e-5)
