@@ -1,4 +1,4 @@
-"""Command line: ``inflight generate ...`` (more subcommands as they land).
+"""Command line: ``inflight generate | serve | bench throughput | bench sweep``.
 
 Every EngineConfig field is a flag with the same name, dashed
 (``--max-num-seqs``, ``--kv-cache-memory 2GiB``, ``--no-enable-chunked-prefill``).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 import typing
@@ -80,6 +81,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=os.environ.get("INFLIGHT_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' (default: $INFLIGHT_API_KEY)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients use (default: the model's)")
+    srv.add_argument("--max-waiting-requests", type=int, default=None,
+                     help="answer 429 with Retry-After while this many requests wait")
+    srv.add_argument("--max-queue-wait", type=float, default=None, metavar="SECONDS",
+                     help="end with an error a request not scheduled within this time")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="on SIGTERM, how long in-flight requests may take to finish")
+    add_engine_args(srv)
+    srv.set_defaults(func=_serve)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput of one workload")
     _add_bench_args(tp)
@@ -96,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--output-json", default=None)
     tp.set_defaults(func=_bench_throughput)
 
+    sv = bench.add_parser("serve", help="latency of streaming chats against a running server")
+    sv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    sv.add_argument("--model", default=None, help="model name (default: the server's first)")
+    sv.add_argument("--concurrency", default="1,16", help="comma list of client counts")
+    sv.add_argument("--num-requests", type=int, default=32)
+    sv.add_argument("--max-tokens", type=int, default=128)
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--output-json", default=None)
+    sv.set_defaults(func=_bench_serve)
+
     sw = bench.add_parser("sweep", help="continuous vs static over batch sizes, with plots")
     _add_bench_args(sw)
     sw.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
@@ -105,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--output-dir", default="bench-results")
     sw.set_defaults(func=_bench_sweep)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from inflight.server.launch import serve
+
+    serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
+          served_model_name=args.served_model_name,
+          max_waiting_requests=args.max_waiting_requests, max_queue_wait=args.max_queue_wait,
+          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level.lower())
+    return 0
 
 
 def _add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -120,6 +157,20 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     return throughput(args, engine_config_from_args(args))
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from inflight.bench.serving import as_json, run_serving_benchmark
+
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c]
+    results = run_serving_benchmark(args.base_url.rstrip("/"), args.model, concurrencies,
+                                    args.num_requests, args.max_tokens, args.seed)
+    if args.output_json:
+        Path(args.output_json).write_text(as_json(results, base_url=args.base_url,
+                                                  max_tokens=args.max_tokens))
+    return 0
+
+
 def _bench_sweep(args: argparse.Namespace) -> int:
     from inflight.bench.commands import sweep
 
@@ -129,6 +180,7 @@ def _bench_sweep(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:
         return args.func(args)
     except ValueError as e:

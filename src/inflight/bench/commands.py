@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import platform
 import time
@@ -52,6 +53,9 @@ def _int_list(text: str) -> list[int]:
 
 
 def _engine(base: EngineConfig, model_stub: bool = False, **changes: Any) -> EngineCore:
+    # The previous run's engine is garbage by now, but held in reference cycles:
+    # collect it before allocating another KV cache.
+    gc.collect()
     return EngineCore(dataclasses.replace(base, **changes), model_stub=model_stub)
 
 

@@ -62,6 +62,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.finished_time: float | None = None
 
     @property
@@ -88,6 +89,7 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
+        self.last_token_time = now
 
     def check_stop(self, max_model_len: int) -> FinishReason | None:
         """The token-level stop check after a token was appended (stop strings are

@@ -39,6 +39,17 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 @dataclass
+class PreparedRequest:
+    """A validated, tokenized request, ready for ``EngineCore.submit``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[Request]
+    stream: bool
+
+
+@dataclass
 class StepStats:
     """What one ``step()`` did, for benchmarks and metrics."""
 
@@ -52,6 +63,14 @@ class StepStats:
     seconds: float = 0.0
     request_ids: list[str] = field(default_factory=list)  # the batch, in order
     padding_ids: list[str] = field(default_factory=list)
+    kv_cache_usage: float = 0.0
+    # Per-sequence events of the step, for latency metrics:
+    generation_tokens: int = 0
+    # (time to first token, time queued before first scheduled, prompt tokens)
+    first_tokens: list[tuple[float, float, int]] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    # (finish reason, end-to-end seconds, prompt tokens, generated tokens)
+    finished: list[tuple[str, float, int, int]] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -174,15 +193,27 @@ class EngineCore:
         """Queue a request (``params.n`` sequences over one prompt); returns its id.
         ``step()`` reports it at every step when ``stream``, else once finished.
         Raises ValueError, queueing nothing, if it can never run."""
+        prepared = self.prepare_request(prompt, params, request_id=request_id,
+                                        arrival_time=arrival_time, priority=priority,
+                                        stream=stream)
+        self.submit(prepared)
+        return prepared.request_id
+
+    def prepare_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
+                        request_id: str | None = None, arrival_time: float | None = None,
+                        priority: int = 0, stream: bool = False) -> PreparedRequest:
+        """Validate and tokenize a request without touching the engine's state (so
+        any thread may call it); ``submit`` queues the result."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
         text, ids = self.tokenize_prompt(prompt)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len="
+                             f"{self.max_model_len}")
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.scheduler.requests or self.output_processor.sequence_ids(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = max(1, self.max_model_len - len(ids))
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -196,10 +227,17 @@ class EngineCore:
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             sequences.append(Request(seq_id, ids, seq_params, max_tokens, self.eos_token_ids,
                                      arrival, priority))
-        for seq in sequences:  # the first raises if the prompt can never run
+        return PreparedRequest(request_id, text, ids, sequences, stream)
+
+    def submit(self, prepared: PreparedRequest) -> None:
+        """Queue a prepared request; ValueError if its id is in use."""
+        if (prepared.request_id in self.scheduler.requests
+                or self.output_processor.sequence_ids(prepared.request_id)):
+            raise ValueError(f"request_id {prepared.request_id!r} is already in use")
+        for seq in prepared.sequences:  # the first raises if the prompt can never run
             self.scheduler.add_request(seq)
-        self.output_processor.add(request_id, text, ids, sequences, stream)
-        return request_id
+        self.output_processor.add(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
+                                  prepared.sequences, prepared.stream)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Cancel requests; their KV blocks return to the pool now."""
@@ -220,23 +258,49 @@ class EngineCore:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.requests:
-            self.last_step = StepStats(num_waiting=self.scheduler.num_waiting)
+            self.last_step = StepStats(num_waiting=self.scheduler.num_waiting,
+                                       kv_cache_usage=self.kv_cache.usage)
             return []
         prompt_tokens = sum(min(n, max(0, r.num_prompt_tokens - r.num_computed_tokens))
                             for r, n in zip(out.requests, out.num_new_tokens))
         live_ids = [r.request_id for r in out.requests if not r.padding]
         padding_ids = [r.request_id for r in out.requests if r.padding]
+        last_token_times = {r.request_id: r.last_token_time for r in out.requests}
         result = self.runner.execute(out)
         updated = self.scheduler.update_from_output(out, result.sampled_token_ids)
         logprobs = {r.request_id: lp for r, lp in zip(out.requests, result.logprobs)
                     if lp is not None}
         outputs = self.output_processor.process(updated, logprobs)
-        self.last_step = StepStats(
+        stats = StepStats(
             num_requests=len(live_ids), num_padding=len(padding_ids),
             num_tokens=out.total_num_tokens,
             num_prompt_tokens=prompt_tokens, num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_preempted=len(out.preempted_request_ids),
             seconds=time.perf_counter() - start,
-            request_ids=live_ids, padding_ids=padding_ids)
+            request_ids=live_ids, padding_ids=padding_ids,
+            kv_cache_usage=self.kv_cache.usage, generation_tokens=len(updated))
+        for seq in updated:
+            previous = last_token_times[seq.request_id]
+            if previous is None:
+                stats.first_tokens.append((seq.first_token_time - seq.arrival_time,
+                                           seq.first_scheduled_time - seq.arrival_time,
+                                           seq.num_prompt_tokens))
+            else:
+                stats.inter_token_latencies.append(seq.last_token_time - previous)
+            if seq.is_finished:
+                stats.finished.append((seq.finish_reason.value, seq.finished_time - seq.arrival_time,
+                                       seq.num_prompt_tokens, seq.num_output_tokens))
+        self.last_step = stats
         return outputs
+
+    def abort_waiting_older_than(self, seconds: float, now: float | None = None) -> list[str]:
+        """Abort the requests that have waited longer than ``seconds`` without
+        being scheduled; returns their ids."""
+        now = time.time() if now is None else now
+        expired = {self.output_processor.request_id_of(r.request_id)
+                   for r in self.scheduler.policy
+                   if r.first_scheduled_time is None and now - r.arrival_time > seconds}
+        expired.discard(None)
+        self.abort_request(sorted(expired))
+        return sorted(expired)

@@ -175,6 +175,10 @@ class OutputProcessor:
             del self._sample_of[sid]
         return ids
 
+    def request_id_of(self, sequence_id: str) -> str | None:
+        entry = self._sample_of.get(sequence_id)
+        return None if entry is None else entry[0].request_id
+
     def sequence_ids(self, request_id: str) -> list[str]:
         group = self._groups.get(request_id)
         return [] if group is None else [s.request.request_id for s in group.samples]

@@ -1,0 +1,255 @@
+"""The FastAPI application: OpenAI-compatible routes, /health, /metrics,
+/tokenize and /detokenize; OpenAI-shaped errors for every failure."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inflight.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError,
+                                          QueueTimeoutError)
+from inflight.server import protocol as p
+from inflight.server.metrics import EngineMetrics
+from inflight.server.openai_serving import InvalidRequest, OpenAIServing, check_text, error_json
+
+logger = logging.getLogger(__name__)
+
+# Seconds a client is told to wait when the queue is full.
+RETRY_AFTER_SECONDS = 1
+# How often a non-streaming request checks whether its client went away.
+DISCONNECT_POLL_SECONDS = 0.05
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_json(str(self), self.kind, self.param, self.code),
+                            status_code=self.status, headers=self.headers)
+
+
+def _to_api_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, InvalidRequest):
+        return APIError(400, str(e), "invalid_request_error", e.param)
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), "invalid_request_error")
+    if isinstance(e, QueueFullError):
+        return APIError(429, f"the server is at capacity ({e}); retry later", "rate_limit_error",
+                        code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(e, QueueTimeoutError):
+        return APIError(503, str(e), "timeout_error", code="queue_timeout",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), "server_error", code="engine_dead")
+    logger.exception("unexpected error", exc_info=e)
+    return APIError(500, "internal error", "server_error")
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body",)]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if first.get("type") == "json_invalid":
+        return "We could not parse the JSON body of your request.", None
+    return f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param
+
+
+def build_app(engine: AsyncEngine, *, model_name: str, metrics: EngineMetrics,
+              api_key: str | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, model_name)
+    app = FastAPI(title="inflight", version="0.1.0")
+    app.add_middleware(_Guard, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(e.errors())
+        return APIError(400, message, "invalid_request_error", param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return APIError(e.status_code, str(e.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        return _to_api_error(e).response()
+
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "We could not parse the JSON body of your request.",
+                           "invalid_request_error") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "The request body must be a JSON object.", "invalid_request_error")
+        try:
+            check_text(body)
+        except InvalidRequest as e:
+            raise _to_api_error(e) from None
+        try:
+            parsed = model.model_validate(body)
+        except ValidationError as e:
+            message, param = _validation_message(e.errors())
+            raise APIError(400, message, "invalid_request_error", param) from None
+        requested = getattr(parsed, "model", None)
+        if requested is not None and requested != model_name:
+            raise APIError(404, f"The model `{requested}` does not exist.",
+                           "invalid_request_error", "model", "model_not_found")
+        return parsed
+
+    async def run(request: Request, stream: bool,
+                  whole: Callable[[], Awaitable[BaseModel]],
+                  chunks: Callable[[], AsyncIterator[str]]) -> Response:
+        if stream:
+            return await _stream_response(chunks())
+        try:
+            response = await _unless_disconnected(request, whole())
+        except Exception as e:  # noqa: BLE001 - every failure gets an OpenAI-shaped body
+            raise _to_api_error(e) from e
+        return JSONResponse(response.model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await parse(request, p.CompletionRequest)
+        rid = p.random_id("cmpl")
+        return await run(request, req.stream, lambda: serving.completion(req, rid),
+                         lambda: serving.completion_stream(req, rid))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await parse(request, p.ChatCompletionRequest)
+        rid = p.random_id("chatcmpl")
+        return await run(request, req.stream, lambda: serving.chat(req, rid),
+                         lambda: serving.chat_stream(req, rid))
+
+    @app.get("/v1/models")
+    async def models() -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=model_name, max_model_len=engine.core.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine._dead is not None:
+            return APIError(503, "the engine has stopped", "server_error",
+                            code="engine_dead").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> p.TokenizeResponse:
+        req = await parse(request, p.TokenizeRequest)
+        tokenizer = serving.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this server has no tokenizer", "invalid_request_error")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "invalid_request_error",
+                           "prompt")
+        if req.messages is not None:
+            text = tokenizer.apply_chat_template(
+                [m.model_dump(exclude_none=True) for m in req.messages], req.add_generation_prompt)
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return p.TokenizeResponse(tokens=tokens, count=len(tokens),
+                                  max_model_len=engine.core.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> p.DetokenizeResponse:
+        req = await parse(request, p.DetokenizeRequest)
+        if serving.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer", "invalid_request_error")
+        vocab = engine.core.model_config.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token {bad} is outside the vocabulary [0, {vocab})",
+                           "invalid_request_error", "tokens")
+        return p.DetokenizeResponse(prompt=serving.tokenizer.decode(req.tokens, False))
+
+    return app
+
+
+class _Guard:
+    """ASGI middleware: the API key on every path but /health and /metrics."""
+
+    def __init__(self, app: Any, api_key: str | None) -> None:
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if (scope["type"] == "http" and self.expected is not None
+                and not scope["path"].startswith(OPEN_PATHS)):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = APIError(401, "Invalid or missing API key (send it as an "
+                                    "Authorization: Bearer header)", "invalid_request_error",
+                                    code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _stream_response(chunks: AsyncIterator[str]) -> Response:
+    """Start the SSE stream once its first chunk is ready, so that errors before
+    any output (bad input, backpressure, queue timeout) still get their status."""
+    try:
+        first = await chunks.__anext__()
+    except StopAsyncIteration:
+        first = ""
+    except BaseException as e:
+        await chunks.aclose()
+        raise _to_api_error(e) from e
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        except (QueueTimeoutError, EngineDeadError) as e:
+            err = _to_api_error(e)
+            yield f"data: {json.dumps(error_json(str(err), err.kind, err.param, err.code))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await chunks.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[BaseModel]) -> BaseModel:
+    """Run a non-streaming request, cancelling it (and so aborting its engine
+    requests) as soon as the client disconnects."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise APIError(499, "client disconnected", "invalid_request_error")

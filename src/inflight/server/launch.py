@@ -1,0 +1,48 @@
+"""``inflight serve``: the engine, its metrics and the app under uvicorn.
+
+uvicorn handles SIGTERM and SIGINT: it stops accepting connections, lets
+in-flight requests finish for up to ``shutdown_timeout`` seconds, then exits
+(re-raising the signal, so the process ends as the signal asks)."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+from fastapi import FastAPI
+
+from inflight.config import EngineConfig
+from inflight.engine.async_engine import AsyncEngine
+from inflight.model.loader import model_display_name
+from inflight.server.app import build_app
+from inflight.server.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, served_model_name: str | None = None,
+          max_waiting_requests: int | None = None, max_queue_wait: float | None = None,
+          shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
+    engine, app = make_server(config, api_key=api_key, served_model_name=served_model_name,
+                              max_waiting_requests=max_waiting_requests,
+                              max_queue_wait=max_queue_wait)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=shutdown_timeout))
+    try:
+        server.run()
+    finally:
+        engine.shutdown(timeout=0)
+
+
+def make_server(config: EngineConfig, *, api_key: str | None = None,
+                served_model_name: str | None = None, max_waiting_requests: int | None = None,
+                max_queue_wait: float | None = None) -> tuple[AsyncEngine, FastAPI]:
+    """The running engine and its app (tests serve the app themselves)."""
+    name = served_model_name or model_display_name(config.model)
+    metrics = EngineMetrics(name)
+    engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests,
+                         max_queue_wait=max_queue_wait, on_step=metrics.on_step,
+                         on_abort=metrics.on_abort)
+    logger.info("serving %s", name)
+    return engine, build_app(engine, model_name=name, metrics=metrics, api_key=api_key)

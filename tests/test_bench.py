@@ -1,0 +1,109 @@
+"""Benchmark machinery on tiny models: workloads, runs, the HF baseline, plots."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from inflight.bench.throughput import run_engine, run_hf_generate
+from inflight.bench.workloads import BenchRequest, from_file, synthetic
+from inflight.cli import main
+from inflight.config import EngineConfig
+from inflight.engine.engine_core import EngineCore
+
+
+def test_synthetic_workloads_follow_their_recipes():
+    mixed = synthetic("mixed", 400, seed=0, vocab_size=1000, max_model_len=8192,
+                      special_ids=frozenset(range(10)))
+    assert mixed == synthetic("mixed", 400, seed=0, vocab_size=1000, max_model_len=8192,
+                              special_ids=frozenset(range(10)))
+    assert all(16 <= len(r.prompt_token_ids) <= 256 for r in mixed)
+    assert {r.max_tokens for r in mixed} == {16, 64, 256}
+    assert all(min(r.prompt_token_ids) >= 10 for r in mixed)
+    share = [r.max_tokens for r in mixed]
+    assert 0.4 < share.count(16) / 400 < 0.6 and 0.1 < share.count(256) / 400 < 0.3
+
+    sharegpt = synthetic("sharegpt-like", 2000, seed=1, vocab_size=1000, max_model_len=8192)
+    assert 130 < statistics.mean(len(r.prompt_token_ids) for r in sharegpt) < 195
+    assert 270 < statistics.mean(r.max_tokens for r in sharegpt) < 410
+    clipped = synthetic("sharegpt-like", 200, seed=1, vocab_size=1000, max_model_len=512)
+    assert all(len(r.prompt_token_ids) + r.max_tokens <= 512 for r in clipped)
+
+    uniform = synthetic("uniform", 5, seed=0, vocab_size=1000, max_model_len=512,
+                        input_len=30, output_len=7)
+    assert {(len(r.prompt_token_ids), r.max_tokens) for r in uniform} == {(30, 7)}
+    with pytest.raises(ValueError, match="workload"):
+        synthetic("bursty", 1, seed=0, vocab_size=10, max_model_len=10)
+
+
+def test_workload_file(tmp_path):
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"requests": [{"prompt_token_ids": [1, 2], "max_tokens": 3},
+                                             {"prompt": "hi", "max_tokens": 1}]}))
+    assert from_file(path) == [BenchRequest([1, 2], 3), BenchRequest(None, 1, "hi")]
+    for bad in ({"requests": []}, {"requests": [{"prompt": "x"}]},
+                {"requests": [{"prompt": "x", "prompt_token_ids": [1], "max_tokens": 1}]}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError):
+            from_file(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_requests():
+    return synthetic("mixed", 12, seed=3, vocab_size=384, max_model_len=512)
+
+
+def test_static_runs_pad_and_continuous_runs_refill(tiny_model, tiny_requests):
+    results = {}
+    for mode in ("continuous", "static"):
+        engine = EngineCore(EngineConfig(str(tiny_model("llama-gqa")), scheduling=mode,
+                                         max_num_seqs=4, kv_cache_memory="16MiB"))
+        results[mode] = run_engine(engine, tiny_requests, label=mode, ignore_eos=True,
+                                   profile=True, record_batches=True)
+        assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    cont, static = results["continuous"], results["static"]
+    expected = sum(r.max_tokens for r in tiny_requests)
+    assert cont.output_tokens == static.output_tokens == expected
+    assert static.padded_slot_steps > 0 and cont.padded_slot_steps == 0
+    assert cont.steps < static.steps and cont.mean_occupancy > static.mean_occupancy
+    assert len(cont.batches) == cont.steps and max(cont.occupancy) <= 4
+    profile = cont.profile_ms_per_step
+    assert profile["total"] > 0 and profile["linear layers"] > 0 and profile["attention"] > 0
+
+
+def test_model_stub_runs_without_a_model(tiny_model, tiny_requests):
+    engine = EngineCore(EngineConfig(str(tiny_model("llama-gqa")), max_num_seqs=8,
+                                     kv_cache_memory="16MiB"), model_stub=True)
+    result = run_engine(engine, tiny_requests, label="stub", ignore_eos=True, profile=True)
+    assert result.output_tokens == sum(r.max_tokens for r in tiny_requests)
+    assert result.profile_ms_per_step["linear layers"] == 0
+
+
+def test_hf_generate_baseline(tiny_model):
+    requests = [BenchRequest([5, 6, 7], 2), BenchRequest([8] * 10, 9), BenchRequest([9, 9], 5)]
+    result = run_hf_generate(tiny_model("llama-gqa"), requests, batch_size=2, ignore_eos=True)
+    assert result.output_tokens == 2 + 9 + 5 and result.steps == 9 + 5
+    # the first batch runs 9 steps, its short member padded for 7; the second
+    # batch has one request in two slots for 5 steps
+    assert result.padded_slot_steps == 7 and result.idle_slot_steps == 7 + 5
+
+
+def test_cli_throughput_and_sweep(tiny_model, tmp_path, capsys):
+    model = str(tiny_model("llama-gqa"))
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", model, "--num-requests", "6",
+                 "--ignore-eos", "--scheduling", "continuous,static", "--max-num-seqs", "2,4",
+                 "--kv-cache-memory", "16MiB", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["results"]) == 4 and report["roofline"]["best_percent"] > 0
+    assert "continuous/static output tokens/s at max_num_seqs=4" in report["ratios"]
+    assert "of roofline" in capsys.readouterr().out
+
+    pytest.importorskip("matplotlib")
+    assert main(["bench", "sweep", "--model", model, "--num-requests", "6", "--ignore-eos",
+                 "--max-num-seqs", "2,4", "--timeline-requests", "6", "--timeline-seqs", "3",
+                 "--kv-cache-memory", "16MiB", "--output-dir", str(tmp_path)]) == 0
+    for name in ("throughput_vs_batch.png", "slot_occupancy_timeline.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
