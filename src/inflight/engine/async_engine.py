@@ -87,6 +87,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------- callers
     @property
+    def error(self) -> BaseException | None:
+        """Why the engine loop stopped, if it failed."""
+        return self._dead
+
+    @property
     def num_unfinished(self) -> int:
         with self._lock:
             return len(self._streams)

@@ -152,7 +152,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, metrics: EngineMetrics,
 
     @app.get("/health")
     async def health() -> Response:
-        if engine._dead is not None:
+        if engine.error is not None:
             return APIError(503, "the engine has stopped", "server_error",
                             code="engine_dead").response()
         return JSONResponse({"status": "ok"})

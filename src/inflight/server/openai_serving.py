@@ -4,7 +4,6 @@ response, whole or as server-sent events."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -63,13 +62,25 @@ def sampling_params(req: p.CompletionRequest | p.ChatCompletionRequest, *, max_t
 
 @dataclass
 class _Choice:
-    """Where one generated sequence stands in the response being built."""
+    """How much of one generated sequence a stream has sent."""
 
     index: int
     sent_text: int = 0
     sent_tokens: int = 0
     finish_reason: str | None = None
-    completion_tokens: int = 0
+
+    def advance(self, c: CompletionOutput) -> tuple[str, int, int] | None:
+        """What to send now: (new text, index of its first token, text offset),
+        or None when there is nothing new."""
+        if self.finish_reason is not None:
+            return None
+        delta = c.text[self.sent_text:]
+        if not delta and c.finish_reason is None:
+            return None
+        first_token, offset = self.sent_tokens, self.sent_text
+        self.sent_text, self.sent_tokens = len(c.text), len(c.token_ids)
+        self.finish_reason = c.finish_reason
+        return delta, first_token, offset
 
 
 async def _merged(engine: AsyncEngine, prompts: list[Any], params: SamplingParams,
@@ -182,18 +193,15 @@ class OpenAIServing:
                 parts = []
                 for c in out.outputs:
                     state = choices.setdefault((i, c.index), _Choice(i * req.n + c.index))
-                    if state.finish_reason is not None:
+                    step = state.advance(c)
+                    if step is None:
                         continue
-                    delta = c.text[state.sent_text:]
-                    if req.echo and state.sent_tokens == 0 and not state.sent_text:
+                    delta, first_token, offset = step
+                    if req.echo and first_token == 0 and offset == 0:
                         delta = self._echo(out) + delta
-                    if not delta and c.finish_reason is None:
-                        continue
-                    logprobs = (self._completion_logprobs(c, state.sent_tokens, len(c.token_ids),
-                                                          state.sent_text, req.logprobs)
+                    logprobs = (self._completion_logprobs(c, first_token, len(c.token_ids),
+                                                          offset, req.logprobs)
                                 if req.logprobs is not None else None)
-                    state.sent_text, state.sent_tokens = len(c.text), len(c.token_ids)
-                    state.finish_reason = c.finish_reason
                     parts.append(p.CompletionChoice(index=state.index, text=delta,
                                                     logprobs=logprobs,
                                                     finish_reason=c.finish_reason))
@@ -289,17 +297,13 @@ class OpenAIServing:
                 final = out
                 parts = []
                 for c in out.outputs:
-                    state = states[c.index]
-                    if state.finish_reason is not None:
+                    step = states[c.index].advance(c)
+                    if step is None:
                         continue
-                    delta = c.text[state.sent_text:]
-                    if not delta and c.finish_reason is None:
-                        continue
-                    logprobs = (self._chat_logprobs(c, state.sent_tokens, len(c.token_ids),
+                    delta, first_token, _ = step
+                    logprobs = (self._chat_logprobs(c, first_token, len(c.token_ids),
                                                     req.top_logprobs or 0)
                                 if req.logprobs else None)
-                    state.sent_text, state.sent_tokens = len(c.text), len(c.token_ids)
-                    state.finish_reason = c.finish_reason
                     parts.append(p.ChatStreamChoice(index=c.index, delta=p.ChatDelta(content=delta),
                                                     logprobs=logprobs,
                                                     finish_reason=c.finish_reason))
@@ -333,10 +337,10 @@ def _usage(outputs: list[RequestOutput]) -> p.Usage:
 
 
 def _sse(chunk: Any) -> str:
-    return f"data: {chunk.model_dump_json(exclude_unset=False)}\n\n"
+    return f"data: {chunk.model_dump_json()}\n\n"
 
 
 def error_json(message: str, kind: str, param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
-    return json.loads(p.ErrorResponse(error=p.ErrorInfo(
-        message=message, type=kind, param=param, code=code)).model_dump_json())
+    return p.ErrorResponse(error=p.ErrorInfo(message=message, type=kind, param=param,
+                                             code=code)).model_dump()
