@@ -26,19 +26,27 @@ def _together_under_pressure(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_tiny_model_batch_invariance(tiny_model):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_tiny_model_batch_invariance(tiny_model, mode, sampling):
+    """Preemption by recompute or by swapping to host memory changes nothing,
+    for greedy and for seeded random sampling."""
     path = str(tiny_model("llama-gqa"))
     rng = random.Random(0)
     prompts = random_prompts(40, vocab=384, min_len=2, max_len=120, seed=3)
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 48), ignore_eos=True)
-              for _ in prompts]
+    params = [SamplingParams(temperature=0 if sampling == "greedy" else 1.0, seed=i,
+                             max_tokens=rng.randint(1, 48), ignore_eos=True)
+              for i in range(len(prompts))]
     roomy = LLM(path, dtype="float64", kv_cache_memory="16MiB")
     expected = _alone(roomy, prompts, params)
     assert len({tuple(e) for e in expected}) > 30
 
     tight = LLM(path, dtype="float64", num_kv_blocks=20, max_model_len=320,
-                max_num_batched_tokens=40, max_num_seqs=12)
+                max_num_batched_tokens=40, max_num_seqs=12, preemption_mode=mode,
+                swap_space="64MiB")
     assert _together_under_pressure(tight, prompts, params) == expected
+    swaps = tight.engine.scheduler.stats.num_swaps
+    assert swaps > 0 if mode == "swap" else swaps == 0
 
 
 @pytest.mark.slow

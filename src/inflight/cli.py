@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        if f.name == "kv_cache_memory":
+        if f.name in ("kv_cache_memory", "swap_space"):
             kind = str
         group.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
 
@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model name clients use (default: the model's)")
     srv.add_argument("--max-waiting-requests", type=int, default=None,
                      help="answer 429 with Retry-After while this many requests wait")
+    srv.add_argument("--max-waiting-per-tenant", type=int, default=None,
+                     help="answer 429 while this many requests of one tenant (user) wait")
     srv.add_argument("--max-queue-wait", type=float, default=None, metavar="SECONDS",
                      help="end with an error a request not scheduled within this time")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of continuous, static")
     tp.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
                     help="comma list of batch slot counts (default: the engine's)")
+    tp.add_argument("--preemption-mode", dest="preemption_list", default="",
+                    help="comma list of recompute, swap (default: the engine's)")
     tp.add_argument("--baseline", choices=["hf"], default=None,
                     help="also run Hugging Face transformers generate with static batches")
     tp.add_argument("--hf-batch-size", type=int, default=16)
@@ -113,14 +117,30 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--output-json", default=None)
     tp.set_defaults(func=_bench_throughput)
 
-    sv = bench.add_parser("serve", help="latency of streaming chats against a running server")
+    sv = bench.add_parser("serve", help="load an OpenAI-compatible server; latency per class")
     sv.add_argument("--base-url", default="http://127.0.0.1:8000")
     sv.add_argument("--model", default=None, help="model name (default: the server's first)")
-    sv.add_argument("--concurrency", default="1,16", help="comma list of client counts")
-    sv.add_argument("--num-requests", type=int, default=32)
-    sv.add_argument("--max-tokens", type=int, default=128)
+    load = sv.add_mutually_exclusive_group()
+    load.add_argument("--scenario", default="chat",
+                      help="built-in request classes: priority, tenants, light-alone, chat")
+    load.add_argument("--workload-file", default=None,
+                      help='JSON: {"classes": [...]} or {"requests": [...]}')
+    sv.add_argument("--duration", type=float, default=60.0,
+                    help="seconds of arrivals (classes with a rate)")
+    sv.add_argument("--rate-scale", type=float, default=1.0,
+                    help="multiply every class's arrival rate")
+    sv.add_argument("--burstiness", type=float, default=None,
+                    help="gamma shape of arrival gaps for every class (1 = Poisson)")
+    sv.add_argument("--concurrency", type=int, default=None,
+                    help="closed loop with this many clients instead of timed arrivals")
+    sv.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    sv.add_argument("--slo-tpot-ms", type=float, default=100.0)
     sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--label", default=None, help="name of this run in outputs and plots")
     sv.add_argument("--output-json", default=None)
+    sv.add_argument("--plot", default=None, help="PNG of latency percentiles per class")
+    sv.add_argument("--compare", nargs="*", default=[],
+                    help="JSON outputs of earlier runs to plot beside this one")
     sv.set_defaults(func=_bench_serve)
 
     sw = bench.add_parser("sweep", help="continuous vs static over batch sizes, with plots")
@@ -139,8 +159,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name,
-          max_waiting_requests=args.max_waiting_requests, max_queue_wait=args.max_queue_wait,
-          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level.lower())
+          max_waiting_requests=args.max_waiting_requests,
+          max_waiting_per_tenant=args.max_waiting_per_tenant,
+          max_queue_wait=args.max_queue_wait, shutdown_timeout=args.shutdown_timeout,
+          log_level=args.log_level.lower())
     return 0
 
 
@@ -148,7 +170,7 @@ def _add_bench_args(parser: argparse.ArgumentParser) -> None:
     from inflight.bench.commands import add_workload_args
 
     add_workload_args(parser)
-    add_engine_args(parser, exclude=("max_num_seqs", "scheduling", "seed"))
+    add_engine_args(parser, exclude=("max_num_seqs", "scheduling", "seed", "preemption_mode"))
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:
@@ -158,16 +180,37 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import replace
     from pathlib import Path
 
-    from inflight.bench.serving import as_json, run_serving_benchmark
+    from inflight.bench import serving
 
-    concurrencies = [int(c) for c in args.concurrency.split(",") if c]
-    results = run_serving_benchmark(args.base_url.rstrip("/"), args.model, concurrencies,
-                                    args.num_requests, args.max_tokens, args.seed)
+    if args.workload_file:
+        classes, specs = serving.load_workload(Path(args.workload_file))
+    elif args.scenario in serving.SCENARIOS:
+        classes, specs = serving.SCENARIOS[args.scenario], None
+    else:
+        raise ValueError(f"--scenario must be one of {', '.join(serving.SCENARIOS)}")
+    if specs is None:
+        classes = [replace(c, rate=c.rate * args.rate_scale,
+                           burstiness=args.burstiness or c.burstiness) for c in classes]
+        specs = serving.build_requests(classes, args.duration, args.seed)
+    label = args.label or (args.workload_file or args.scenario)
+    base_url = args.base_url.rstrip("/")
+    data = serving.run(base_url, args.model, specs, args.concurrency,
+                       args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+    serving.print_report(label, data)
+    runs = {label: data}
+    for path in args.compare:
+        runs.update(json.loads(Path(path).read_text())["runs"])
     if args.output_json:
-        Path(args.output_json).write_text(as_json(results, base_url=args.base_url,
-                                                  max_tokens=args.max_tokens))
+        Path(args.output_json).write_text(serving.as_json(
+            {label: data}, base_url=base_url, scenario=args.scenario,
+            workload_file=args.workload_file, duration=args.duration, rate_scale=args.rate_scale,
+            concurrency=args.concurrency, seed=args.seed))
+    if args.plot:
+        serving.plot(runs, Path(args.plot))
     return 0
 
 

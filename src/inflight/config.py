@@ -12,7 +12,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
 
 
-def parse_size(value: int | str) -> int:
+def parse_size(value: int | str, name: str) -> int:
     """Bytes from an int or a string such as ``"2GiB"``, ``"512MB"`` or ``"1e9"``."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
@@ -23,7 +23,7 @@ def parse_size(value: int | str) -> int:
                 return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
             except ValueError:
                 pass
-    raise ValueError(f"kv_cache_memory must be a byte count such as 2147483648 or '2GiB', got {value!r}")
+    raise ValueError(f"{name} must be a byte count such as 2147483648 or '2GiB', got {value!r}")
 
 
 @dataclass
@@ -47,7 +47,21 @@ class EngineConfig:
     # "static" admits a new batch only when the previous one has finished (the
     # baseline continuous batching is measured against).
     scheduling: str = "continuous"
+    # Waiting-queue order: fcfs, priority, sjf (shortest job first), deadline, fair.
     scheduling_policy: str = "fcfs"
+    # Aging: priority levels, and for sjf expected tokens, a waiting request
+    # gains per second, so that nothing starves.
+    priority_aging: float = 0.1
+    sjf_aging: float = 10.0
+    # What preemption does to a victim's KV: "recompute" drops it, "swap" copies
+    # it to a host-memory pool of swap_space bytes (recompute when that is full).
+    preemption_mode: str = "recompute"
+    swap_space: int | str = 1 * 2**30
+    # Preempt a running request when a waiting one outranks it (priority, deadline).
+    preempt_for_priority: bool = False
+    # Finish with reason "deadline" requests whose deadline_ms has passed.
+    drop_expired: bool = False
+    max_running_per_tenant: int | None = None
     # Load no tokenizer: prompts must then be token ids, outputs carry no text.
     skip_tokenizer_init: bool = False
     # Torch intra-op threads; None keeps torch's default (one per core).
@@ -73,11 +87,21 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             positive_int(name)
-        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+        for name in ("max_model_len", "num_kv_blocks", "num_threads", "max_running_per_tenant"):
             positive_int(name, allow_none=True)
-        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        self.swap_space = parse_size(self.swap_space, "swap_space")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
+        for name in ("priority_aging", "sjf_aging"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError("preemption_mode must be 'recompute' or 'swap', "
+                             f"got {self.preemption_mode!r}")
         if self.kernel_backend not in ("auto", "torch", "cpu"):
             raise ValueError("kernel_backend must be 'auto', 'torch' or 'cpu', "
                              f"got {self.kernel_backend!r}")
@@ -85,7 +109,7 @@ class EngineConfig:
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         from inflight.core.policy import POLICIES
         if self.scheduling_policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, "
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
 
     @classmethod

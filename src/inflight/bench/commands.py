@@ -62,17 +62,21 @@ def _engine(base: EngineConfig, model_stub: bool = False, **changes: Any) -> Eng
 def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     seqs = _int_list(args.max_num_seqs_list) if args.max_num_seqs_list else [base.max_num_seqs]
     modes = [m for m in args.scheduling_list.split(",") if m]
+    preemption = [m for m in args.preemption_list.split(",") if m] or [base.preemption_mode]
     results: list[ThroughputResult] = []
     requests = None
     engine = None
     for mode in modes:
-        for n in seqs:
-            engine = _engine(base, args.model_stub, scheduling=mode, max_num_seqs=n)
-            requests = requests or load_workload(args, engine)
-            print(f"running {mode} batching, max_num_seqs={n}, {len(requests)} requests ...",
-                  flush=True)
-            results.append(run_engine(engine, requests, label=mode, ignore_eos=args.ignore_eos,
-                                      profile=args.profile))
+        for preempt in preemption:
+            for n in seqs:
+                engine = _engine(base, args.model_stub, scheduling=mode, max_num_seqs=n,
+                                 preemption_mode=preempt)
+                requests = requests or load_workload(args, engine)
+                label = mode if len(preemption) == 1 else f"{mode}/{preempt}"
+                print(f"running {label} batching, max_num_seqs={n}, {len(requests)} requests ...",
+                      flush=True)
+                results.append(run_engine(engine, requests, label=label,
+                                          ignore_eos=args.ignore_eos, profile=args.profile))
     assert engine is not None and requests is not None
     if args.baseline == "hf":
         print(f"running Hugging Face generate, static batches of {args.hf_batch_size} ...", flush=True)
@@ -143,13 +147,19 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
 
 
 def _ratios(results: list[ThroughputResult]) -> dict[str, float]:
-    """Continuous over static at each max_num_seqs, and over HF generate."""
+    """Continuous over static at each max_num_seqs, swap over recompute, and
+    continuous over HF generate."""
     by = {(r.label, r.max_num_seqs): r for r in results}
     ratios = {}
     for (label, n), r in by.items():
         if label == "continuous" and ("static", n) in by:
             ratios[f"continuous/static output tokens/s at max_num_seqs={n}"] = (
                 r.output_tokens_per_second / by["static", n].output_tokens_per_second)
+    for (label, n), r in by.items():
+        base, _, mode = label.partition("/")
+        if mode == "swap" and (f"{base}/recompute", n) in by:
+            ratios[f"swap/recompute total tokens/s at max_num_seqs={n}"] = (
+                r.total_tokens_per_second / by[f"{base}/recompute", n].total_tokens_per_second)
     hf = next((r for r in results if r.label == "hf-generate"), None)
     if hf is not None:
         for (label, n), r in by.items():

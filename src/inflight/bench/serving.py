@@ -1,7 +1,13 @@
-"""Serving benchmark: streaming chat or completion requests against any
-OpenAI-compatible endpoint, at a fixed concurrency, measuring what a user sees:
-time to first token (TTFT), inter-token latency (ITL: the gap between streamed
-chunks), time per output token after the first (TPOT) and end-to-end latency."""
+"""Serving benchmark: a load generator for any OpenAI-compatible endpoint.
+
+Requests stream from ``/v1/completions``; what a user sees is measured per
+request: time to first token (TTFT), inter-token latency (ITL, the gaps between
+streamed chunks), time per output token after the first (TPOT), end-to-end
+latency (E2E). Load comes either at a fixed concurrency (closed loop) or as
+arrivals in time (open loop): each request class has its own rate, with Poisson
+(burstiness 1) or gamma-distributed (burstier below 1) gaps. Results are
+reported per class, with goodput under a latency SLO.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +17,47 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 PERCENTILES = (50, 90, 99)
+# Ordinary words that tokenize to about one token each.
+_WORDS = ("river market song winter garden engine planet window history music science travel "
+          "ocean mountain city language story number simple common silver yellow quick light "
+          "heavy paper table water stone cloud bread music forest ").split()
 
-_PROMPT_WORDS = ("river market song winter garden engine planet window history music "
-                 "science travel ocean mountain city language story").split()
+
+@dataclass
+class RequestClass:
+    """A kind of request: its share of the load and its shape."""
+
+    name: str
+    rate: float = 1.0                       # arrivals per second (open loop)
+    count: int | None = None                # or this many, all at once at time 0
+    prompt_tokens: tuple[int, int] = (64, 256)
+    output_tokens: tuple[int, int] = (64, 256)
+    priority: int | None = None
+    user: str | None = None                 # the tenant
+    deadline_ms: float | None = None
+    burstiness: float = 1.0                 # gamma shape of the gaps; 1 is Poisson
+
+
+@dataclass
+class RequestSpec:
+    cls: str
+    arrival: float
+    prompt: str
+    max_tokens: int
+    priority: int | None = None
+    user: str | None = None
+    deadline_ms: float | None = None
 
 
 @dataclass
 class RequestResult:
+    cls: str
     ok: bool
     status: int = 0
     error: str = ""
@@ -36,6 +71,158 @@ class RequestResult:
         if self.output_tokens < 2:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+# Built-in scenarios for the scheduling-policy comparisons (see docs/benchmarks.md).
+SCENARIOS: dict[str, list[RequestClass]] = {
+    # 20% short urgent requests among 80% long, unhurried ones, above capacity.
+    "priority": [
+        RequestClass("short-high", rate=0.5, prompt_tokens=(16, 48), output_tokens=(16, 16),
+                     priority=0),
+        RequestClass("long-low", rate=2.0, prompt_tokens=(128, 256), output_tokens=(96, 128),
+                     priority=10),
+    ],
+    # One tenant floods the queue at once; another sends a light, steady stream.
+    "tenants": [
+        RequestClass("flood", count=80, prompt_tokens=(128, 256), output_tokens=(64, 128),
+                     user="tenant-flood"),
+        RequestClass("light", rate=0.5, prompt_tokens=(32, 64), output_tokens=(32, 32),
+                     user="tenant-light"),
+    ],
+    "light-alone": [
+        RequestClass("light", rate=0.5, prompt_tokens=(32, 64), output_tokens=(32, 32),
+                     user="tenant-light"),
+    ],
+    "chat": [RequestClass("chat", rate=1.0, prompt_tokens=(32, 128), output_tokens=(64, 128))],
+}
+
+
+def text_of_length(rng: random.Random, tokens: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(tokens))
+
+
+def build_requests(classes: list[RequestClass], duration: float, seed: int) -> list[RequestSpec]:
+    """Arrival times and shapes for every class over ``duration`` seconds."""
+    rng = random.Random(seed)
+    specs = []
+    for cls in classes:
+        times = []
+        if cls.count is not None:
+            times = [0.0] * cls.count
+        elif cls.rate > 0:
+            t = 0.0
+            while True:
+                # gamma(shape k, scale 1/(k rate)) has mean 1/rate; k=1 is exponential
+                t += rng.gammavariate(cls.burstiness, 1.0 / (cls.burstiness * cls.rate))
+                if t >= duration:
+                    break
+                times.append(t)
+        for t in times:
+            specs.append(RequestSpec(
+                cls.name, t, text_of_length(rng, rng.randint(*cls.prompt_tokens)),
+                rng.randint(*cls.output_tokens), cls.priority, cls.user, cls.deadline_ms))
+    specs.sort(key=lambda s: s.arrival)
+    return specs
+
+
+def load_workload(path: Path) -> tuple[list[RequestClass] | None, list[RequestSpec] | None]:
+    """``{"classes": [...]}`` (RequestClass fields) or ``{"requests": [...]}``
+    (RequestSpec fields: prompt, max_tokens, and optionally cls, arrival,
+    priority, user, deadline_ms)."""
+    data = json.loads(Path(path).read_text())
+    if "classes" in data:
+        classes = []
+        for c in data["classes"]:
+            for key in ("prompt_tokens", "output_tokens"):
+                if key in c:
+                    c[key] = tuple(c[key])
+            classes.append(RequestClass(**c))
+        return classes, None
+    if "requests" in data:
+        return None, [RequestSpec(cls=r.get("cls", "default"), arrival=r.get("arrival", 0.0),
+                                  prompt=r["prompt"], max_tokens=r["max_tokens"],
+                                  priority=r.get("priority"), user=r.get("user"),
+                                  deadline_ms=r.get("deadline_ms"))
+                      for r in data["requests"]]
+    raise ValueError(f"{path}: expected a 'classes' or a 'requests' list")
+
+
+async def send(http: httpx.AsyncClient, url: str, model: str, spec: RequestSpec) -> RequestResult:
+    """One streaming completion; every text chunk counts as a token arrival."""
+    body: dict[str, Any] = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens,
+                            "temperature": 0, "stream": True, "ignore_eos": True,
+                            "stream_options": {"include_usage": True}}
+    for key in ("priority", "user", "deadline_ms"):
+        if getattr(spec, key) is not None:
+            body[key] = getattr(spec, key)
+    result = RequestResult(spec.cls, ok=False)
+    start = time.perf_counter()
+    last = None
+    chunks = 0
+    try:
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                result.error = (await response.aread()).decode(errors="replace")[:300]
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    chunks += 1
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.chunk_gaps.append(now - last)
+                    last = now
+        result.e2e = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or chunks
+        result.ok = last is not None
+    except httpx.HTTPError as e:
+        result.error = repr(e)
+    return result
+
+
+async def run_open_loop(url: str, model: str, specs: list[RequestSpec]
+                        ) -> tuple[list[RequestResult], float]:
+    """Fire each request at its arrival time, whatever is still in flight."""
+    limits = httpx.Limits(max_connections=len(specs) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as http:
+        start = time.perf_counter()
+
+        async def fire(spec: RequestSpec) -> RequestResult:
+            delay = spec.arrival - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return await send(http, url, model, spec)
+
+        results = await asyncio.gather(*(fire(s) for s in specs))
+        return list(results), time.perf_counter() - start
+
+
+async def run_closed_loop(url: str, model: str, specs: list[RequestSpec], concurrency: int
+                          ) -> tuple[list[RequestResult], float]:
+    """Keep ``concurrency`` requests in flight until every one is served."""
+    queue: asyncio.Queue[RequestSpec] = asyncio.Queue()
+    for spec in specs:
+        queue.put_nowait(spec)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as http:
+        async def worker() -> None:
+            while not queue.empty():
+                results.append(await send(http, url, model, queue.get_nowait()))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - start
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -55,115 +242,93 @@ def summarize(values: list[float]) -> dict[str, float]:
     return out
 
 
-def chat_prompts(count: int, seed: int, words: int = 24) -> list[str]:
-    rng = random.Random(seed)
-    return [f"Write a short paragraph about {' '.join(rng.choices(_PROMPT_WORDS, k=words))}."
-            for _ in range(count)]
+def report(results: list[RequestResult], wall: float, slo_ttft: float | None,
+           slo_tpot: float | None) -> dict[str, Any]:
+    """Latency percentiles, throughput and goodput, overall and per class."""
+    def block(rs: list[RequestResult]) -> dict[str, Any]:
+        ok = [r for r in rs if r.ok]
+        good = [r for r in ok if (slo_ttft is None or r.ttft <= slo_ttft)
+                and (slo_tpot is None or (r.tpot or 0.0) <= slo_tpot)]
+        return {
+            "requests": len(rs), "failed": len(rs) - len(ok),
+            "requests_per_second": len(ok) / wall,
+            "output_tokens_per_second": sum(r.output_tokens for r in ok) / wall,
+            "goodput_requests_per_second": len(good) / wall,
+            "slo_attainment": len(good) / len(rs) if rs else float("nan"),
+            "ttft_seconds": summarize([r.ttft for r in ok]),
+            "tpot_seconds": summarize([t for r in ok if (t := r.tpot) is not None]),
+            "itl_seconds": summarize([g for r in ok for g in r.chunk_gaps]),
+            "e2e_seconds": summarize([r.e2e for r in ok]),
+            "errors": sorted({f"{r.status} {r.error}" for r in rs if not r.ok})[:5],
+        }
+
+    classes = sorted({r.cls for r in results})
+    return {"wall_seconds": wall, "slo": {"ttft_seconds": slo_ttft, "tpot_seconds": slo_tpot},
+            "overall": block(results),
+            "classes": {c: block([r for r in results if r.cls == c]) for c in classes}}
 
 
-async def stream_chat(http: httpx.AsyncClient, url: str, model: str, prompt: str,
-                      max_tokens: int, extra: dict[str, Any] | None = None) -> RequestResult:
-    """One streaming chat completion; every content chunk counts as a token
-    arrival (the server sends one chunk per generated token)."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **(extra or {})}
-    start = time.perf_counter()
-    result = RequestResult(ok=False)
-    last = None
-    try:
-        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            result.status = response.status_code
-            if response.status_code != 200:
-                result.error = (await response.aread()).decode(errors="replace")[:300]
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"].get("message", "error")
-                    return result
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                    now = time.perf_counter()
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.chunk_gaps.append(now - last)
-                    last = now
-        result.e2e = time.perf_counter() - start
-        result.ok = last is not None
-    except httpx.HTTPError as e:
-        result.error = repr(e)
-    return result
+def print_report(title: str, data: dict[str, Any]) -> None:
+    print(f"\n{title}: {data['wall_seconds']:.1f} s")
+    header = f"  {'class':<14}{'metric':<6}{'mean':>9}" + "".join(
+        f"{'p' + str(q):>9}" for q in PERCENTILES)
+    print(header + f"{'req/s':>8}{'tok/s':>8}{'goodput':>9}")
+    for name, block in [("overall", data["overall"]), *data["classes"].items()]:
+        for i, metric in enumerate(("ttft", "tpot", "itl", "e2e")):
+            stats = block[f"{metric}_seconds"]
+            line = (f"  {name if i == 0 else '':<14}{metric:<6}{1000 * stats['mean']:>9.1f}"
+                    + "".join(f"{1000 * stats[f'p{q}']:>9.1f}" for q in PERCENTILES))
+            if i == 0:
+                line += (f"{block['requests_per_second']:>8.2f}"
+                         f"{block['output_tokens_per_second']:>8.1f}"
+                         f"{block['goodput_requests_per_second']:>9.2f}")
+            print(line)
+        for error in block["errors"]:
+            print(f"    error ({block['failed']} failed): {error}")
+    print("  (milliseconds; goodput: requests/s meeting the SLO)")
 
 
-async def run_concurrency(url: str, model: str, prompts: list[str], concurrency: int,
-                          max_tokens: int) -> tuple[list[RequestResult], float]:
-    """Keep ``concurrency`` requests in flight until every prompt is served."""
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
-    results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
-        async def worker() -> None:
-            while not queue.empty():
-                prompt = queue.get_nowait()
-                results.append(await stream_chat(http, url, model, prompt, max_tokens))
+def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
+    """Latency percentiles per class, one group of bars per run."""
+    import matplotlib
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return results, time.perf_counter() - start
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-
-def report(results: list[RequestResult], wall: float, concurrency: int) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    tokens = sum(r.output_tokens for r in ok)
-    return {
-        "concurrency": concurrency,
-        "requests": len(results),
-        "failed": len(results) - len(ok),
-        "wall_seconds": wall,
-        "requests_per_second": len(ok) / wall,
-        "output_tokens_per_second": tokens / wall,
-        "ttft_seconds": summarize([r.ttft for r in ok]),
-        "itl_seconds": summarize([g for r in ok for g in r.chunk_gaps]),
-        "tpot_seconds": summarize([t for r in ok if (t := r.tpot) is not None]),
-        "e2e_seconds": summarize([r.e2e for r in ok]),
-        "errors": sorted({f"{r.status} {r.error}" for r in results if not r.ok})[:5],
-    }
+    classes = sorted({c for data in runs.values() for c in data["classes"]})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(runs) * len(PERCENTILES))
+    for ax, metric in zip(axes, ("ttft", "e2e")):
+        for r, (label, data) in enumerate(runs.items()):
+            for k, q in enumerate(PERCENTILES):
+                offset = (r * len(PERCENTILES) + k) * width - 0.4 + width / 2
+                values = [data["classes"].get(c, {}).get(f"{metric}_seconds", {}).get(f"p{q}",
+                                                                                       0.0)
+                          for c in classes]
+                ax.bar([i + offset for i in range(len(classes))], values, width,
+                       label=f"{label} p{q}", color=plt.get_cmap("tab20")(r * 4 + k),
+                       edgecolor="black", linewidth=0.3)
+        ax.set_xticks(range(len(classes)), classes)
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{metric.upper()} percentiles per request class")
+        ax.set_yscale("log")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[1].legend(fontsize=7, ncol=max(1, len(runs)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def print_report(data: dict[str, Any]) -> None:
-    print(f"\nconcurrency {data['concurrency']}: {data['requests']} requests "
-          f"({data['failed']} failed) in {data['wall_seconds']:.1f} s, "
-          f"{data['requests_per_second']:.2f} req/s, "
-          f"{data['output_tokens_per_second']:.1f} output tokens/s")
-    print(f"  {'ms':<6}{'mean':>9}" + "".join(f"{'p' + str(q):>9}" for q in PERCENTILES))
-    for name in ("ttft", "itl", "tpot", "e2e"):
-        stats = data[f"{name}_seconds"]
-        print(f"  {name:<6}{1000 * stats['mean']:>9.1f}"
-              + "".join(f"{1000 * stats[f'p{q}']:>9.1f}" for q in PERCENTILES))
-    for error in data["errors"]:
-        print(f"  error: {error}")
-
-
-def run_serving_benchmark(url: str, model: str | None, concurrencies: list[int],
-                          num_requests: int, max_tokens: int, seed: int) -> list[dict[str, Any]]:
+def run(url: str, model: str | None, specs: list[RequestSpec], concurrency: int | None,
+        slo_ttft: float | None, slo_tpot: float | None) -> dict[str, Any]:
     if model is None:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    results = []
-    for concurrency in concurrencies:
-        prompts = chat_prompts(num_requests, seed)
-        raw, wall = asyncio.run(run_concurrency(url, model, prompts, concurrency, max_tokens))
-        data = report(raw, wall, concurrency)
-        print_report(data)
-        results.append(data)
-    return results
+    if concurrency is not None:
+        results, wall = asyncio.run(run_closed_loop(url, model, specs, concurrency))
+    else:
+        results, wall = asyncio.run(run_open_loop(url, model, specs))
+    return report(results, wall, slo_ttft, slo_tpot)
 
 
-def as_json(results: list[dict[str, Any]], **context: Any) -> str:
-    return json.dumps({"context": context, "results": results}, indent=2, default=asdict)
+def as_json(runs: dict[str, Any], **context: Any) -> str:
+    return json.dumps({"context": context, "runs": runs}, indent=2, default=asdict)

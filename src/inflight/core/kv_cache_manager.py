@@ -5,6 +5,9 @@ belong to the worker, which addresses them by these block ids.
 Every token position ``p`` of a request lives in block ``table[p // block_size]``
 at offset ``p % block_size``, so memory is never fragmented: any free block can
 serve any request.
+
+An optional host pool holds the blocks of requests preempted by swapping: their
+KV is copied to host memory and back, instead of being recomputed.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError("num_blocks and block_size must be >= 1")
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+        if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
+            raise ValueError("num_blocks and block_size must be >= 1, num_host_blocks >= 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[str, list[int]] = {}
+        self._host_free: deque[int] = deque(range(num_host_blocks))
+        self._host_tables: dict[str, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,8 +69,40 @@ class KVCacheManager:
         return new
 
     def free(self, request_id: str) -> None:
-        """Return all of the request's blocks to the pool."""
+        """Return all of the request's blocks, device and host, to their pools."""
         self._free.extend(self._tables.pop(request_id, ()))
+        self._host_free.extend(self._host_tables.pop(request_id, ()))
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._host_free)
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's table to host blocks, freeing its device blocks.
+        Returns the (device, host) block pairs to copy, or None, changing
+        nothing, if the host pool is too small."""
+        table = self._tables.get(request_id, [])
+        if len(table) > len(self._host_free):
+            return None
+        host = [self._host_free.popleft() for _ in table]
+        self._host_tables[request_id] = host
+        self._free.extend(self._tables.pop(request_id, ()))
+        return list(zip(table, host))
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move a swapped request's table back to device blocks. Returns the
+        (host, device) pairs to copy, or None, changing nothing, if the device
+        pool is too small."""
+        host = self._host_tables.get(request_id, [])
+        if len(host) > len(self._free):
+            return None
+        device = [self._free.popleft() for _ in host]
+        self._tables[request_id] = device
+        self._host_free.extend(self._host_tables.pop(request_id, ()))
+        return list(zip(host, device))
+
+    def host_block_ids(self, request_id: str) -> list[int]:
+        return self._host_tables.get(request_id, [])
 
     def owned_blocks(self) -> dict[str, list[int]]:
         """Every request's table, for invariant checks and metrics."""

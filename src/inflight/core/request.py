@@ -10,24 +10,29 @@ sampled last step).
 from __future__ import annotations
 
 import enum
+import logging
 import time
 
 from inflight.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # waiting again, its KV dropped (to be recomputed)
+    SWAPPED = "swapped"      # waiting again, its KV copied to host memory
     FINISHED = "finished"
 
 
 class FinishReason(str, enum.Enum):
     """Why a request ended; the values are what the APIs report."""
 
-    STOP = "stop"      # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"    # cancelled by the caller
+    STOP = "stop"          # EOS, a stop token or a stop string
+    LENGTH = "length"      # max_tokens or the context limit
+    ABORT = "abort"        # cancelled by the caller
+    DEADLINE = "deadline"  # could no longer meet its deadline (drop_expired)
 
     def __str__(self) -> str:
         return self.value
@@ -35,16 +40,26 @@ class FinishReason(str, enum.Enum):
 
 class Request:
     """One sequence being generated. ``max_tokens`` is already resolved against the
-    context limit; ``stop_token_ids`` holds the EOS ids too unless ``ignore_eos``."""
+    context limit; ``stop_token_ids`` holds the EOS ids too unless ``ignore_eos``.
+
+    Scheduling hints: ``priority`` (lower first), ``tenant`` (fair share),
+    ``deadline`` (absolute time, seconds) and ``expected_output_tokens`` (for
+    shortest-job-first; ``max_tokens`` when not given). ``history`` records
+    what happened to the request, with timestamps."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, max_tokens: int,
                  eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
-                 priority: int = 0) -> None:
+                 priority: int = 0, tenant: str | None = None, deadline: float | None = None,
+                 expected_output_tokens: int | None = None) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
         self.priority = priority
+        self.tenant = tenant
+        self.deadline = deadline
+        self.expected_output_tokens = (max_tokens if expected_output_tokens is None
+                                       else expected_output_tokens)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -64,6 +79,8 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
+        self.history: list[tuple[str, float, str]] = []
+        self.record("queued", self.arrival_time)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -84,6 +101,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def record(self, event: str, now: float, detail: str = "") -> None:
+        """Add an event to the request's history (and the debug log)."""
+        self.history.append((event, now, detail))
+        logger.debug("request %s %s %s", self.request_id, event, detail)
 
     def append_output_token(self, token_id: int, now: float) -> None:
         self.all_token_ids.append(token_id)

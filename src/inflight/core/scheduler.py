@@ -7,10 +7,12 @@ Each ``schedule()`` call plans one forward step under one token budget
    has not computed yet (1 for a decode, the rest of a prompt otherwise), cut
    to the remaining budget, which is how chunked prefill falls out. When the
    KV pool cannot hold a request's new tokens, the policy's victim is
-   preempted by recompute: its blocks are freed and it goes back to the
-   waiting queue with ``num_computed_tokens`` reset to 0;
+   preempted: by recompute (its blocks are freed and ``num_computed_tokens``
+   goes back to 0) or by swap (its blocks are copied to a host pool, and back
+   when it resumes); either way it returns to the waiting queue;
 2. then, if nothing was preempted, waiting requests in policy order while
-   budget, sequence slots and KV blocks last.
+   budget, sequence slots and KV blocks last. With ``preempt_for_priority``, a
+   waiting request that outranks a running one may take its place.
 
 With ``static_batching`` the same loop emulates classic static batching (as
 in Hugging Face ``generate``) for comparison: a new batch is admitted only once
@@ -27,16 +29,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from inflight.core.kv_cache_manager import KVCacheManager
+from inflight.core.kv_cache_manager import KVCacheManager, cdiv
 from inflight.core.policy import SchedulingPolicy
 from inflight.core.request import FinishReason, Request, RequestStatus
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
 class SchedulerOutput:
     """One step's plan. ``requests[i]`` computes ``num_new_tokens[i]`` tokens
     starting at its ``num_computed_tokens``; its KV blocks are ``block_ids[i]``
-    (the manager's live table: read, do not keep)."""
+    (the manager's live table: read, do not keep). Before the step, the worker
+    copies ``swap_out`` (device, host) block pairs to host memory, then
+    ``swap_in`` (host, device) pairs back."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -46,6 +52,10 @@ class SchedulerOutput:
     # with a new block table).
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Requests the scheduler itself ended this step (expired deadlines).
+    expired: list[Request] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -59,6 +69,7 @@ class SchedulerOutput:
 class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
+    num_swaps: int = 0  # preemptions that swapped KV to host memory
     # Steps in which some request computed only part of its pending tokens.
     num_chunked_steps: int = 0
 
@@ -66,13 +77,18 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, policy: SchedulingPolicy, *,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool = True, static_batching: bool = False) -> None:
+                 enable_chunked_prefill: bool = True, static_batching: bool = False,
+                 preemption_mode: str = "recompute", preempt_for_priority: bool = False,
+                 drop_expired: bool = False, max_running_per_tenant: int | None = None) -> None:
         if max_model_len > kv_cache.capacity_tokens:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the KV cache capacity "
                              f"({kv_cache.capacity_tokens} tokens)")
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {preemption_mode!r}")
         self.kv_cache = kv_cache
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -80,6 +96,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.static_batching = static_batching
+        self.preemption_mode = preemption_mode
+        self.preempt_for_priority = preempt_for_priority
+        self.drop_expired = drop_expired
+        self.max_running_per_tenant = max_running_per_tenant
         # Static batching: whether the current batch may still take members.
         self._batch_open = True
         self.running: list[Request] = []
@@ -130,38 +150,39 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._ended_ids)
         self._ended_ids = []
+        now = time.time()
+        if self.drop_expired:
+            self._drop_expired(out, now)
         budget = self.max_num_batched_tokens
         chunked = False
 
         i = 0
+        deferred: list[Request] = []  # prompt chunks that give way to an outranking arrival
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             pending = request.num_tokens - request.num_computed_tokens
+            if pending > 1 and self._outranked_by_waiting(request):
+                deferred.append(request)
+                i += 1
+                continue
             num_new = min(pending, budget)
+            preempted_self = False
             while (self.kv_cache.allocate_slots(
                     request.request_id, request.num_computed_tokens + num_new)) is None:
                 victim = self.policy.pick_victim(self.running)
-                victim_index = self.running.index(victim)
-                if victim_index < i:  # it was already scheduled this step: take that back
-                    j = out.requests.index(victim)
-                    budget += out.num_new_tokens[j]
-                    del out.requests[j], out.num_new_tokens[j], out.block_ids[j]
+                if self.running.index(victim) < i:  # scheduled this step already: take it back
+                    budget += self._unschedule(out, victim)
                     i -= 1
-                if victim.padding:  # a finished static-batch member: just let it go
-                    self._release(victim)
-                else:
-                    self._preempt(victim)
-                    out.preempted_request_ids.append(victim.request_id)
+                self._preempt(out, victim, "out of KV blocks", now)
                 if victim is request:
+                    preempted_self = True
                     break
-            else:
-                chunked |= num_new < pending
-                self._add_to_output(out, request, num_new)
-                budget -= num_new
-                i += 1
-                continue
-            # The request preempted itself: nothing else can fit this step.
-            break
+            if preempted_self:
+                break  # nothing else can fit this step
+            chunked |= num_new < pending
+            self._add_to_output(out, request, num_new)
+            budget -= num_new
+            i += 1
 
         if self.static_batching and not self.running:
             self._batch_open = True
@@ -169,59 +190,171 @@ class Scheduler:
             # No admissions while memory is short; a static batch stops growing.
             self._batch_open = not self.static_batching
         elif self._batch_open:
-            budget_bound, admitted_chunked = self._admit(out, budget)
+            scheduled = len(out.requests)
+            budget_bound, admitted_chunked, budget = self._admit(out, budget, now, deferred)
             chunked |= admitted_chunked
             # A static batch keeps forming across steps only while the token
             # budget is what holds admissions back.
             self._batch_open = budget_bound or not self.static_batching
+            if len(out.requests) > scheduled:
+                deferred = []  # the step is the newcomers': keep it short
+        for request in deferred:  # nothing outranking could be admitted after all
+            if budget <= 0 or request not in self.running:
+                break
+            pending = request.num_tokens - request.num_computed_tokens
+            num_new = min(pending, budget)
+            if self.kv_cache.allocate_slots(request.request_id,
+                                            request.num_computed_tokens + num_new) is None:
+                break
+            chunked |= num_new < pending
+            self._add_to_output(out, request, num_new)
+            budget -= num_new
 
         if out.requests:
             self.stats.num_steps += 1
             self.stats.num_chunked_steps += chunked
+            for request, n in zip(out.requests, out.num_new_tokens):
+                if n < request.num_tokens - request.num_computed_tokens:
+                    request.record("chunked", now, f"{n} of {request.num_tokens - request.num_computed_tokens} "
+                                   "pending tokens")
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> tuple[bool, bool]:
-        """Admit waiting requests in policy order. Returns whether the token budget
-        (rather than slots, blocks or an empty queue) stopped admission, and
-        whether a prompt was chunked."""
-        now = time.time()
+    def _outranked_by_waiting(self, request: Request) -> bool:
+        """With preempt_for_priority, a running request's prompt chunk waits while
+        the next waiting request outranks it: the newcomer gets the token budget,
+        and its step stays short (decodes are never held back)."""
+        return (self.preempt_for_priority and len(self.policy) > 0
+                and self.policy.precedes(self.policy.peek(), request))
+
+    def _admit(self, out: SchedulerOutput, budget: int, now: float,
+               held_back: list[Request]) -> tuple[bool, bool, int]:
+        """Admit waiting requests in policy order; while prompt chunks are
+        ``held_back`` for newcomers, only newcomers that precede them. Returns
+        whether the token budget (rather than slots, blocks or an empty queue)
+        stopped admission, whether a prompt was chunked, and the budget left."""
+        deferred: list[Request] = []  # over their tenant's running limit
+        admitted: set[str] = set()
+        budget_bound = chunked = False
         while len(self.policy):
             if budget <= 0:
-                return True, False
-            if len(self.running) >= self.max_num_seqs:
-                return False, False
+                budget_bound = True
+                break
             request = self.policy.peek()
+            if request.request_id in out.preempted_request_ids:
+                break  # displaced this very step: it waits for the next one
+            if held_back and not any(self.policy.precedes(request, r) for r in held_back):
+                break
+            if self._tenant_at_limit(request.tenant):
+                deferred.append(self.policy.pop())
+                continue
             pending = request.num_tokens - request.num_computed_tokens
             if pending > budget and not self.enable_chunked_prefill:
-                return True, False
+                budget_bound = True
+                break
             num_new = min(pending, budget)
-            if self.kv_cache.allocate_slots(
-                    request.request_id, request.num_computed_tokens + num_new) is None:
-                return False, False
+            if len(self.running) >= self.max_num_seqs or not self._claim_blocks(out, request,
+                                                                                num_new):
+                freed = self._displace_for(out, request, admitted, now)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             self.policy.pop()
+            resumed = request.status is not RequestStatus.WAITING
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+            request.record("resumed" if resumed else "scheduled", now)
             self.running.append(request)
+            admitted.add(request.request_id)
             self._add_to_output(out, request, num_new)
             budget -= num_new
             if num_new < pending:
-                return True, True
-        return False, False
+                budget_bound = chunked = True
+                break
+        for request in reversed(deferred):
+            self.policy.requeue(request)
+        return budget_bound, chunked, budget
+
+    def _claim_blocks(self, out: SchedulerOutput, request: Request, num_new: int) -> bool:
+        """Give a request being admitted the blocks for its computed and new
+        tokens, swapping its KV back in if it was swapped out."""
+        kv = self.kv_cache
+        if request.status is RequestStatus.SWAPPED:
+            needed = cdiv(request.num_computed_tokens + num_new, kv.block_size)
+            if needed > kv.num_free_blocks:
+                return False
+            out.swap_in.extend(kv.swap_in(request.request_id))
+        return kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is not None
+
+    def _displace_for(self, out: SchedulerOutput, request: Request, admitted: set[str],
+                      now: float) -> int | None:
+        """With preempt_for_priority, preempt the lowest-ranked running request if
+        ``request`` outranks it. Returns the budget that frees, or None."""
+        if not self.preempt_for_priority:
+            return None
+        candidates = [r for r in self.running if r.request_id not in admitted and not r.padding]
+        if not candidates:
+            return None
+        victim = self.policy.pick_victim(candidates)
+        if not self.policy.outranks(request, victim):
+            return None
+        freed = self._unschedule(out, victim) if victim in out.requests else 0
+        self._preempt(out, victim, f"outranked by {request.request_id}", now)
+        return freed
+
+    def _tenant_at_limit(self, tenant: str | None) -> bool:
+        limit = self.max_running_per_tenant
+        return limit is not None and sum(r.tenant == tenant for r in self.running) >= limit
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.requests.append(request)
         out.num_new_tokens.append(num_new)
         out.block_ids.append(self.kv_cache.block_ids(request.request_id))
 
-    def _preempt(self, request: Request) -> None:
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, request: Request) -> int:
+        """Take a request back out of this step's plan; returns its tokens."""
+        j = out.requests.index(request)
+        tokens = out.num_new_tokens[j]
+        del out.requests[j], out.num_new_tokens[j], out.block_ids[j]
+        return tokens
+
+    def _preempt(self, out: SchedulerOutput, request: Request, reason: str, now: float) -> None:
+        """Send a running request back to waiting: its KV copied to host memory
+        (swap) or dropped, to be recomputed. A padding static-batch member is
+        simply let go."""
+        if request.padding:
+            self._release(request)
+            return
         self.running.remove(request)
-        self.kv_cache.free(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        pairs = None
+        if self.preemption_mode == "swap" and request.num_computed_tokens:
+            pairs = self.kv_cache.swap_out(request.request_id)
+        if pairs is not None:
+            out.swap_out.extend(pairs)
+            request.status = RequestStatus.SWAPPED
+            self.stats.num_swaps += 1
+            request.record("preempted", now, f"{reason}; KV swapped to host memory")
+        else:
+            self.kv_cache.free(request.request_id)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.record("preempted", now, f"{reason}; KV to be recomputed")
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
+        out.preempted_request_ids.append(request.request_id)
         self.policy.requeue(request)
+
+    def _drop_expired(self, out: SchedulerOutput, now: float) -> None:
+        """End every request whose deadline has passed (``drop_expired``)."""
+        expired = [r for r in [*self.policy, *self.running]
+                   if r.deadline is not None and now > r.deadline and not r.padding]
+        for request in expired:
+            if request.status is not RequestStatus.RUNNING:
+                self.policy.remove(request)
+            self._end(request, FinishReason.DEADLINE, now)
+            out.expired.append(request)
 
     # ----------------------------------------------------------------- update
     def update_from_output(self, out: SchedulerOutput,
@@ -232,6 +365,10 @@ class Scheduler:
         now = time.time()
         updated = []
         for request, num_new, token in zip(out.requests, out.num_new_tokens, sampled_token_ids):
+            if not request.padding:
+                prompt_part = min(num_new, max(0, request.num_prompt_tokens
+                                                - request.num_computed_tokens))
+                self.policy.on_tokens(request, prompt_part, num_new - prompt_part)
             request.num_computed_tokens += num_new
             if token is None:
                 continue
@@ -266,10 +403,13 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason, now: float | None) -> None:
         """Mark a request finished for its caller (its blocks are freed separately)."""
+        now = time.time() if now is None else now
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.finished_time = time.time() if now is None else now
+        request.finished_time = now
+        request.record("finished", now, reason.value)
         del self.requests[request.request_id]
+        self.policy.release(request)
 
     def _release(self, request: Request) -> None:
         """Take a finished request out of the batch and free its blocks."""

@@ -19,8 +19,10 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
@@ -53,18 +55,26 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *, max_waiting_requests: int | None = None,
+                 max_waiting_per_tenant: int | None = None,
                  max_queue_wait: float | None = None,
                  on_step: Callable[[StepStats], None] | None = None,
                  on_abort: Callable[[int], None] | None = None) -> None:
         """``max_waiting_requests``: refuse new requests (QueueFullError) while this
-        many wait; ``max_queue_wait``: end with QueueTimeoutError a request not
-        scheduled within this many seconds. ``on_step`` sees every step's stats
-        and ``on_abort`` the number of requests each abort ended (metrics)."""
-        if max_waiting_requests is not None and max_waiting_requests < 1:
-            raise ValueError("max_waiting_requests must be >= 1")
+        many wait (``max_waiting_per_tenant``: this many of the same tenant);
+        ``max_queue_wait``: end with QueueTimeoutError a request not scheduled
+        within this many seconds. ``on_step`` sees every step's stats and
+        ``on_abort`` the number of requests each abort ended (metrics)."""
+        for name, value in (("max_waiting_requests", max_waiting_requests),
+                            ("max_waiting_per_tenant", max_waiting_per_tenant)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
         if max_queue_wait is not None and max_queue_wait <= 0:
             raise ValueError("max_queue_wait must be > 0 seconds")
         self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_per_tenant = max_waiting_per_tenant
+        # Waiting requests per tenant, refreshed by the loop thread after each
+        # step and bumped by callers in between (read without the lock).
+        self.waiting_by_tenant: dict[str | None, int] = {}
         self.max_queue_wait = max_queue_wait
         self._on_step = on_step
         self._on_abort = on_abort
@@ -97,18 +107,25 @@ class AsyncEngine:
             return len(self._streams)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, *,
-                       request_id: str | None = None, priority: int = 0
+                       request_id: str | None = None, **scheduling: Any
                        ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until it finishes. Raises ValueError for bad
-        input, QueueFullError under backpressure, QueueTimeoutError when it waited
-        too long. Closing the iterator early (a client went away) aborts it."""
+        """Stream a request's outputs until it finishes. ``scheduling`` takes the
+        options of ``EngineCore.prepare_request`` (priority, tenant, deadline_ms,
+        expected_output_tokens). Raises ValueError for bad input, QueueFullError
+        under backpressure, QueueTimeoutError when it waited too long. Closing
+        the iterator early (a client went away) aborts the request."""
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
         if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting")
+        tenant = scheduling.get("tenant")
+        if (self.max_waiting_per_tenant is not None
+                and self.waiting_by_tenant.get(tenant, 0) >= self.max_waiting_per_tenant):
+            raise QueueFullError(f"tenant {tenant!r} already has {self.max_waiting_per_tenant} "
+                                 "requests waiting")
         # Tokenizing a long prompt takes a while: keep it off the event loop.
         prepared = await asyncio.to_thread(self.core.prepare_request, prompt, params,
-                                           request_id=request_id, priority=priority, stream=True)
+                                           request_id=request_id, stream=True, **scheduling)
         rid = prepared.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
@@ -117,6 +134,7 @@ class AsyncEngine:
             self._streams[rid] = stream
             self._inbox.append(("add", prepared))
             self.num_waiting += 1
+            self.waiting_by_tenant[tenant] = self.waiting_by_tenant.get(tenant, 0) + 1
             self._lock.notify()
         finished = False
         try:
@@ -182,6 +200,8 @@ class AsyncEngine:
                         self._on_step(core.last_step)
                 self.num_waiting = core.scheduler.num_waiting + len(self._inbox)
                 self.num_running = core.scheduler.num_running
+                if self.max_waiting_per_tenant is not None:
+                    self.waiting_by_tenant = Counter(r.tenant for r in core.scheduler.policy)
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it
             logger.exception("the engine loop failed")
             self._dead = e

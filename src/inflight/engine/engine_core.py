@@ -17,7 +17,7 @@ import torch
 
 from inflight.config import EngineConfig
 from inflight.core.kv_cache_manager import KVCacheManager
-from inflight.core.policy import make_policy
+from inflight.core.policy import PolicyConfig, make_policy
 from inflight.core.request import FinishReason, Request
 from inflight.core.sampling_params import SamplingParams
 from inflight.core.scheduler import Scheduler
@@ -131,16 +131,25 @@ class EngineCore:
         if isinstance(ops, CpuOps) and not model_stub:
             pack_linear_weights(model, ops)
         self.model = model.eval()
-        self.runner = ModelRunner(model, backend, num_blocks=num_blocks, block_size=block_size,
+        num_host_blocks = (config.swap_space // self.kv_block_bytes
+                           if config.preemption_mode == "swap" else 0)
+        self.runner = ModelRunner(model, backend, num_blocks=num_blocks,
+                                  num_host_blocks=num_host_blocks, block_size=block_size,
                                   device=self.device, dtype=self.dtype, seed=config.seed)
-        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, num_host_blocks)
         self.scheduler = Scheduler(
-            self.kv_cache, make_policy(config.scheduling_policy),
+            self.kv_cache,
+            make_policy(config.scheduling_policy,
+                        PolicyConfig(config.priority_aging, config.sjf_aging)),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            static_batching=config.scheduling == "static")
+            static_batching=config.scheduling == "static",
+            preemption_mode=config.preemption_mode,
+            preempt_for_priority=config.preempt_for_priority,
+            drop_expired=config.drop_expired,
+            max_running_per_tenant=config.max_running_per_tenant)
         self.output_processor = OutputProcessor(self.tokenizer, self._finish_on_stop_string)
         self._ids = itertools.count()
         self.last_step = StepStats()
@@ -188,22 +197,29 @@ class EngineCore:
         return ids
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
-                    request_id: str | None = None, arrival_time: float | None = None,
-                    priority: int = 0, stream: bool = False) -> str:
+                    request_id: str | None = None, stream: bool = False,
+                    **scheduling: Any) -> str:
         """Queue a request (``params.n`` sequences over one prompt); returns its id.
         ``step()`` reports it at every step when ``stream``, else once finished.
-        Raises ValueError, queueing nothing, if it can never run."""
-        prepared = self.prepare_request(prompt, params, request_id=request_id,
-                                        arrival_time=arrival_time, priority=priority,
-                                        stream=stream)
+        Scheduling options are those of ``prepare_request``. Raises ValueError,
+        queueing nothing, if it can never run."""
+        prepared = self.prepare_request(prompt, params, request_id=request_id, stream=stream,
+                                        **scheduling)
         self.submit(prepared)
         return prepared.request_id
 
     def prepare_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
-                        request_id: str | None = None, arrival_time: float | None = None,
-                        priority: int = 0, stream: bool = False) -> PreparedRequest:
+                        request_id: str | None = None, stream: bool = False,
+                        arrival_time: float | None = None, priority: int = 0,
+                        tenant: str | None = None, deadline_ms: float | None = None,
+                        expected_output_tokens: int | None = None) -> PreparedRequest:
         """Validate and tokenize a request without touching the engine's state (so
-        any thread may call it); ``submit`` queues the result."""
+        any thread may call it); ``submit`` queues the result.
+
+        ``priority``: lower runs first (priority policy); ``tenant``: whose share
+        it counts against (fair policy); ``deadline_ms``: due this long after
+        arrival (deadline policy); ``expected_output_tokens``: its expected
+        length, for shortest-job-first (``max_tokens`` otherwise)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -217,7 +233,17 @@ class EngineCore:
         max_tokens = max(1, self.max_model_len - len(ids))
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if deadline_ms is not None and (isinstance(deadline_ms, bool) or not isinstance(
+                deadline_ms, (int, float)) or not 0 < deadline_ms < 1e12):
+            raise ValueError(f"deadline_ms must be a positive number, got {deadline_ms!r}")
+        if expected_output_tokens is not None and (
+                not isinstance(expected_output_tokens, int) or expected_output_tokens < 1):
+            raise ValueError(f"expected_output_tokens must be an integer >= 1, "
+                             f"got {expected_output_tokens!r}")
         arrival = time.time() if arrival_time is None else arrival_time
+        deadline = None if deadline_ms is None else arrival + deadline_ms / 1000
         sequences = []
         for i in range(params.n):
             seq_params = params
@@ -226,7 +252,8 @@ class EngineCore:
                                                else params.seed + i})
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             sequences.append(Request(seq_id, ids, seq_params, max_tokens, self.eos_token_ids,
-                                     arrival, priority))
+                                     arrival, priority, tenant, deadline,
+                                     expected_output_tokens))
         return PreparedRequest(request_id, text, ids, sequences, stream)
 
     def submit(self, prepared: PreparedRequest) -> None:
@@ -257,10 +284,12 @@ class EngineCore:
         tokens and of requests that finished. ``last_step`` describes the step."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        self.runner.swap(out)
         if not out.requests:
             self.last_step = StepStats(num_waiting=self.scheduler.num_waiting,
                                        kv_cache_usage=self.kv_cache.usage)
-            return []
+            self._record_finished(self.last_step, out.expired)
+            return self.output_processor.process([], {}, out.expired)
         prompt_tokens = sum(min(n, max(0, r.num_prompt_tokens - r.num_computed_tokens))
                             for r, n in zip(out.requests, out.num_new_tokens))
         live_ids = [r.request_id for r in out.requests if not r.padding]
@@ -270,7 +299,7 @@ class EngineCore:
         updated = self.scheduler.update_from_output(out, result.sampled_token_ids)
         logprobs = {r.request_id: lp for r, lp in zip(out.requests, result.logprobs)
                     if lp is not None}
-        outputs = self.output_processor.process(updated, logprobs)
+        outputs = self.output_processor.process(updated, logprobs, out.expired)
         stats = StepStats(
             num_requests=len(live_ids), num_padding=len(padding_ids),
             num_tokens=out.total_num_tokens,
@@ -288,11 +317,15 @@ class EngineCore:
                                            seq.num_prompt_tokens))
             else:
                 stats.inter_token_latencies.append(seq.last_token_time - previous)
-            if seq.is_finished:
-                stats.finished.append((seq.finish_reason.value, seq.finished_time - seq.arrival_time,
-                                       seq.num_prompt_tokens, seq.num_output_tokens))
+        self._record_finished(stats, [*out.expired, *(s for s in updated if s.is_finished)])
         self.last_step = stats
         return outputs
+
+    @staticmethod
+    def _record_finished(stats: StepStats, finished: list[Request]) -> None:
+        for seq in finished:
+            stats.finished.append((seq.finish_reason.value, seq.finished_time - seq.arrival_time,
+                                   seq.num_prompt_tokens, seq.num_output_tokens))
 
     def abort_waiting_older_than(self, seconds: float, now: float | None = None) -> list[str]:
         """Abort the requests that have waited longer than ``seconds`` without

@@ -34,7 +34,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string, ``{"prompt_token_ids": [...]}`` or a list of token
@@ -52,10 +53,13 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for "
                                  f"{len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, params))
+            for prompt, params, prio in zip(prompts, params_list, priorities):
+                ids.append(self.engine.add_request(prompt, params, priority=prio))
         except Exception:
             self.engine.abort_request(ids)
             raise

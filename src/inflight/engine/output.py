@@ -49,6 +49,10 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Once finished: what happened to the request, in time order, as
+    # (time, event, detail, sample index); events are queued, scheduled,
+    # chunked, preempted, resumed and finished.
+    history: list[tuple[float, str, str, int]] | None = None
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -183,12 +187,16 @@ class OutputProcessor:
         group = self._groups.get(request_id)
         return [] if group is None else [s.request.request_id for s in group.samples]
 
-    def process(self, updated: list[Request],
-                logprobs: dict[str, TokenLogprobs]) -> list[RequestOutput]:
-        """Take in the new token of each updated sequence; returns an output for
-        each streamed request that progressed and each request that finished
-        (which is then forgotten)."""
+    def process(self, updated: list[Request], logprobs: dict[str, TokenLogprobs],
+                ended: list[Request] = ()) -> list[RequestOutput]:
+        """Take in the new token of each updated sequence (and the sequences that
+        ``ended`` without one); returns an output for each streamed request that
+        progressed and each request that finished (which is then forgotten)."""
         touched: dict[str, _Group] = {}
+        for seq in ended:
+            entry = self._sample_of.get(seq.request_id)
+            if entry is not None:
+                touched[entry[0].request_id] = entry[0]
         for seq in updated:
             entry = self._sample_of.get(seq.request_id)
             if entry is None:
@@ -240,6 +248,8 @@ class OutputProcessor:
                                      default=None),
             first_token_time=min((t for s in seqs if (t := s.first_token_time)), default=None),
             finished_time=max(s.finished_time for s in seqs) if finished else None,
-            num_preemptions=sum(s.num_preemptions for s in seqs))
+            num_preemptions=sum(s.num_preemptions for s in seqs),
+            history=sorted((t, event, detail, i) for i, s in enumerate(seqs)
+                           for event, t, detail in s.history) if finished else None)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              finished, metrics)

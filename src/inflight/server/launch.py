@@ -7,6 +7,7 @@ in-flight requests finish for up to ``shutdown_timeout`` seconds, then exits
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -21,12 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, served_model_name: str | None = None,
-          max_waiting_requests: int | None = None, max_queue_wait: float | None = None,
-          shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
-    engine, app = make_server(config, api_key=api_key, served_model_name=served_model_name,
-                              max_waiting_requests=max_waiting_requests,
-                              max_queue_wait=max_queue_wait)
+          shutdown_timeout: float = 30.0, log_level: str = "info", **options: Any) -> None:
+    """Serve until SIGTERM or SIGINT; ``options`` are those of ``make_server``."""
+    engine, app = make_server(config, **options)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=shutdown_timeout))
     try:
@@ -37,11 +35,13 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
 
 def make_server(config: EngineConfig, *, api_key: str | None = None,
                 served_model_name: str | None = None, max_waiting_requests: int | None = None,
+                max_waiting_per_tenant: int | None = None,
                 max_queue_wait: float | None = None) -> tuple[AsyncEngine, FastAPI]:
     """The running engine and its app (tests serve the app themselves)."""
     name = served_model_name or model_display_name(config.model)
     metrics = EngineMetrics(name)
     engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests,
+                         max_waiting_per_tenant=max_waiting_per_tenant,
                          max_queue_wait=max_queue_wait, on_step=metrics.on_step,
                          on_abort=metrics.on_abort)
     logger.info("serving %s", name)

@@ -83,13 +83,20 @@ class _Choice:
         return delta, first_token, offset
 
 
+def scheduling(req: p.CompletionRequest | p.ChatCompletionRequest) -> dict[str, Any]:
+    """The request's scheduling options; ``user`` is the tenant."""
+    return {"priority": req.priority, "tenant": req.user, "deadline_ms": req.deadline_ms,
+            "expected_output_tokens": req.expected_output_tokens}
+
+
 async def _merged(engine: AsyncEngine, prompts: list[Any], params: SamplingParams,
-                  base_id: str, priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  base_id: str, options: dict[str, Any]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run one engine request per prompt and yield (prompt index, output) as
     they come; abandoning the iterator aborts whatever still runs."""
     if len(prompts) == 1:
         async with aclosing(engine.generate(prompts[0], params, request_id=base_id,
-                                            priority=priority)) as stream:
+                                            **options)) as stream:
             async for out in stream:
                 yield 0, out
         return
@@ -99,7 +106,7 @@ async def _merged(engine: AsyncEngine, prompts: list[Any], params: SamplingParam
     async def pump(i: int, prompt: Any) -> None:
         try:
             async with aclosing(engine.generate(prompt, params, request_id=f"{base_id}-{i}",
-                                                priority=priority)) as stream:
+                                                **options)) as stream:
                 async for out in stream:
                     await queue.put((i, out))
             await queue.put((i, done))
@@ -132,6 +139,8 @@ def _history(outputs: list[RequestOutput]) -> dict[str, Any]:
         "first_token_time": o.metrics.first_token_time,
         "finished_time": o.metrics.finished_time,
         "num_preemptions": o.metrics.num_preemptions,
+        "history": [{"time": t, "event": event, "detail": detail, "sample": i}
+                    for t, event, detail, i in o.metrics.history or ()],
     } for o in outputs]}
 
 
@@ -166,7 +175,7 @@ class OpenAIServing:
     async def completion(self, req: p.CompletionRequest, request_id: str) -> p.CompletionResponse:
         prompts, params = self.completion_inputs(req)
         finals: dict[int, RequestOutput] = {}
-        async with aclosing(_merged(self.engine, prompts, params, request_id, req.priority)) as it:
+        async with aclosing(_merged(self.engine, prompts, params, request_id, scheduling(req))) as it:
             async for i, out in it:
                 if out.finished:
                     finals[i] = out
@@ -188,7 +197,7 @@ class OpenAIServing:
         created = p.now()
         choices: dict[tuple[int, int], _Choice] = {}
         finals: dict[int, RequestOutput] = {}
-        async with aclosing(_merged(self.engine, prompts, params, request_id, req.priority)) as it:
+        async with aclosing(_merged(self.engine, prompts, params, request_id, scheduling(req))) as it:
             async for i, out in it:
                 parts = []
                 for c in out.outputs:
@@ -264,7 +273,7 @@ class OpenAIServing:
         prompt, params = await asyncio.to_thread(self.chat_inputs, req)
         final = None
         async with aclosing(self.engine.generate(prompt, params, request_id=request_id,
-                                                 priority=req.priority)) as stream:
+                                                 **scheduling(req))) as stream:
             async for out in stream:
                 final = out
         assert final is not None and final.finished
@@ -288,7 +297,7 @@ class OpenAIServing:
                                               model=self.model_name, choices=choices, **extra))
 
         async with aclosing(self.engine.generate(prompt, params, request_id=request_id,
-                                                 priority=req.priority)) as stream:
+                                                 **scheduling(req))) as stream:
             async for out in stream:
                 if final is None:  # after the first output, so errors come before any chunk
                     yield chunk([p.ChatStreamChoice(index=i, delta=p.ChatDelta(role="assistant",

@@ -45,6 +45,8 @@ class _SamplingFields(_Strict):
     seed: StrictInt | None = None
     # Extensions
     priority: StrictInt = 0
+    deadline_ms: Number | None = Field(default=None, gt=0)
+    expected_output_tokens: StrictInt | None = Field(default=None, ge=1)
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(default=0, ge=0)
     top_k: StrictInt | None = None

@@ -32,7 +32,8 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, *, num_blocks: int,
-                 block_size: int, device: torch.device, dtype: torch.dtype, seed: int) -> None:
+                 block_size: int, device: torch.device, dtype: torch.dtype, seed: int,
+                 num_host_blocks: int = 0) -> None:
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -41,6 +42,15 @@ class ModelRunner:
         self.kv_caches = backend.allocate_kv_cache(
             cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
             cfg.head_dim, dtype, device)
+        # Where swapped-out KV blocks wait: host memory, same layout, pinned for
+        # fast copies from a GPU, and touched now (zero-filled) rather than page
+        # by page in the middle of a swap, where first-touch page faults made a
+        # step ten times slower.
+        shape = (num_host_blocks, block_size)
+        self.host_kv_caches = [
+            tuple(torch.zeros(cfg.num_key_value_heads, *shape, cfg.head_dim, dtype=dtype,
+                              pin_memory=device.type == "cuda") for _ in range(2))
+            for _ in range(cfg.num_hidden_layers)] if num_host_blocks else []
         self.sampler = Sampler(device, seed)
         # Per-request generators of seeded requests; they survive preemption.
         self._generators: dict[str, torch.Generator] = {}
@@ -106,6 +116,25 @@ class ModelRunner:
                 row.banned_token_ids = request.stop_token_ids
             rows.append(row)
         return rows
+
+    @torch.inference_mode()
+    def swap(self, out: SchedulerOutput) -> None:
+        """Copy swapped-out blocks to host memory, then swapped-in blocks back (in
+        that order: a block freed by one may be reused by the other). Runs before
+        ``execute``, even for a step that computes nothing."""
+        for pairs, to_host in ((out.swap_out, True), (out.swap_in, False)):
+            if not pairs:
+                continue
+            first, second = zip(*pairs)  # (device, host) out; (host, device) in
+            src_ids = torch.tensor(first, dtype=torch.long)
+            dst_ids = torch.tensor(second, dtype=torch.long)
+            for device_kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
+                for dev, host in zip(device_kv, host_kv):
+                    if to_host:
+                        host.index_copy_(1, dst_ids, dev.index_select(1, src_ids.to(dev.device)).cpu())
+                    else:
+                        dev.index_copy_(1, dst_ids.to(dev.device),
+                                        host.index_select(1, src_ids).to(dev.device))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
