@@ -107,3 +107,32 @@ def test_cli_throughput_and_sweep(tiny_model, tmp_path, capsys):
                  "--kv-cache-memory", "16MiB", "--output-dir", str(tmp_path)]) == 0
     for name in ("throughput_vs_batch.png", "slot_occupancy_timeline.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shared_prefix_and_multi_turn_workloads_hit_the_cache(tiny_model):
+    shared = synthetic("shared-prefix", 6, seed=0, vocab_size=384, max_model_len=512,
+                       prefix_len=100, output_len=4)
+    assert len({tuple(r.prompt_token_ids[:100]) for r in shared}) == 1
+    assert all(116 <= len(r.prompt_token_ids) <= 148 for r in shared)
+    turns = synthetic("multi-turn", 6, seed=0, vocab_size=384, max_model_len=2048,
+                      output_len=5, turns=3)
+    assert [r.follows for r in turns] == [None, 0, 1, None, 3, 4]
+    with pytest.raises(ValueError, match="multi-turn conversation reaches"):
+        synthetic("multi-turn", 8, seed=0, vocab_size=384, max_model_len=300, turns=8)
+
+    path = str(tiny_model("llama-gqa"))
+    rates = {}
+    for cache in (True, False):
+        # A budget that admits one shared-prefix prompt per step: prompts admitted
+        # in the same step cannot reuse each other's blocks, not computed yet.
+        engine = EngineCore(EngineConfig(path, kv_cache_memory="16MiB", max_num_batched_tokens=160,
+                                         enable_prefix_caching=cache))
+        one = run_engine(engine, shared, label="shared", ignore_eos=True)
+        conversation = run_engine(engine, turns, label="turns", ignore_eos=True)
+        # Each follow-up turn is sent with the history: its prompt holds the earlier turns.
+        assert conversation.prompt_tokens > sum(len(r.prompt_token_ids) for r in turns)
+        assert conversation.output_tokens == 6 * 5 and one.mean_ttft_seconds > 0
+        rates[cache] = (one.prefix_cache_hit_rate, conversation.prefix_cache_hit_rate)
+    assert rates[False] == (None, None)
+    shared_rate, turns_rate = rates[True]
+    assert 0.5 < shared_rate < 1 and 0.3 < turns_rate < 1

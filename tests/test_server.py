@@ -125,13 +125,45 @@ def test_logprobs(client, model):
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token for t in content)
 
 
-def test_extension_fields(client, model):
+def test_extension_fields_and_request_history(client, model):
     out = client.completions.create(
-        model=model, prompt="Hi", max_tokens=6, temperature=0,
+        model=model, prompt="Hi", max_tokens=6, temperature=0, user="team-a",
         extra_body={"ignore_eos": True, "min_tokens": 6, "top_k": 5, "min_p": 0.1,
-                    "repetition_penalty": 1.1, "priority": 3})
+                    "repetition_penalty": 1.1, "priority": 3, "deadline_ms": 60000,
+                    "expected_output_tokens": 6, "cache_salt": "team-a"})
     assert out.usage.completion_tokens == 6
-    assert out.model_extra["inflight"]["requests"][0]["first_token_time"] is not None
+    info = out.model_extra["inflight"]["requests"][0]
+    assert info["first_token_time"] is not None and info["num_preemptions"] == 0
+    events = [e["event"] for e in info["history"]]
+    assert events[0] == "queued" and "scheduled" in events and events[-1] == "finished"
+    times = [e["time"] for e in info["history"]]
+    assert times == sorted(times) and info["history"][-1]["detail"] == "length"
+    chunks = list(client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=3,
+                                                 stream=True))
+    assert chunks[-1].model_extra["inflight"]["requests"][0]["history"][-1]["event"] == "finished"
+    assert all((c.model_extra or {}).get("inflight") is None for c in chunks[:-1])
+
+
+def test_prefix_cache_over_http(server, client, model):
+    system = {"role": "system", "content": "You are a terse assistant. " * 40 + str(time.time())}
+
+    def cached(salt: str | None = None) -> int:
+        out = client.chat.completions.create(
+            model=model, messages=[system, *CAPITAL], max_tokens=2,
+            extra_body={} if salt is None else {"cache_salt": salt})
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    hits = server.metric("inflight:prefix_cache_hits_total")
+    assert cached() == 0
+    second = cached()
+    assert second >= 200
+    assert server.metric("inflight:prefix_cache_hits_total") - hits == second
+    assert server.metric("inflight:prefix_cache_queries_total") > 0
+    assert cached("other tenant") == 0
+    reset = httpx.post(f"{server.url}/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.json()["forgotten_blocks"] > 0
+    assert cached() == 0
+    assert server.wait_idle()
 
 
 def test_64_concurrent_streams_then_an_empty_pool(server, model):
@@ -300,6 +332,33 @@ def test_backpressure_answers_429_with_retry_after(default_llm):
         live.stop()
 
 
+def test_per_tenant_waiting_limit_answers_429(default_llm):
+    live = start_server(EngineConfig(kv_cache_memory="64MiB", max_num_seqs=1),
+                        max_waiting_per_tenant=1)
+    try:
+        body = {"prompt": "Count to one hundred:", "max_tokens": 30, "ignore_eos": True}
+
+        async def burst() -> tuple[list[httpx.Response], httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                flood = []
+                for _ in range(5):
+                    flood.append(asyncio.create_task(http.post(
+                        f"{live.url}/v1/completions", json={**body, "user": "flood"})))
+                    await asyncio.sleep(0.1)
+                light = await http.post(f"{live.url}/v1/completions",
+                                        json={**body, "user": "light"})
+                return await asyncio.gather(*flood), light
+
+        flood, light = asyncio.run(burst())
+        statuses = [r.status_code for r in flood]
+        assert 200 in statuses and 429 in statuses, statuses
+        assert all(r.json()["error"]["code"] == "queue_full" for r in flood if r.status_code == 429)
+        assert light.status_code == 200  # another tenant's queue is its own
+        assert live.wait_idle()
+    finally:
+        live.stop()
+
+
 def test_max_queue_wait_ends_a_request_with_an_error(default_llm):
     live = start_server(EngineConfig(kv_cache_memory="64MiB", max_num_seqs=1), max_queue_wait=0.3)
     try:
@@ -329,7 +388,7 @@ def test_max_queue_wait_ends_a_request_with_an_error(default_llm):
 def test_api_key(default_llm):
     live = start_server(EngineConfig(kv_cache_memory="64MiB"), api_key="sekrit")
     try:
-        for path in ("/v1/models", "/tokenize"):
+        for path in ("/v1/models", "/tokenize", "/reset_prefix_cache"):
             r = httpx.get(f"{live.url}{path}") if path == "/v1/models" else \
                 httpx.post(f"{live.url}{path}", json={"prompt": "x"})
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

@@ -101,13 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput of one workload")
-    _add_bench_args(tp)
+    _add_bench_args(tp, exclude=("enable_prefix_caching",))
     tp.add_argument("--scheduling", dest="scheduling_list", default="continuous",
                     help="comma list of continuous, static")
     tp.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
                     help="comma list of batch slot counts (default: the engine's)")
     tp.add_argument("--preemption-mode", dest="preemption_list", default="",
                     help="comma list of recompute, swap (default: the engine's)")
+    tp.add_argument("--prefix-caching", dest="prefix_caching_list", default="",
+                    help="comma list of on, off (default: the engine's)")
     tp.add_argument("--baseline", choices=["hf"], default=None,
                     help="also run Hugging Face transformers generate with static batches")
     tp.add_argument("--hf-batch-size", type=int, default=16)
@@ -166,11 +168,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench_args(parser: argparse.ArgumentParser) -> None:
+def _add_bench_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     from inflight.bench.commands import add_workload_args
 
     add_workload_args(parser)
-    add_engine_args(parser, exclude=("max_num_seqs", "scheduling", "seed", "preemption_mode"))
+    add_engine_args(parser, exclude=("max_num_seqs", "scheduling", "seed", "preemption_mode",
+                                     *exclude))
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:

@@ -44,6 +44,9 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # Reuse the KV of full blocks whose tokens (and everything before them)
+    # another request already computed.
+    enable_prefix_caching: bool = True
     # "static" admits a new batch only when the previous one has finished (the
     # baseline continuous batching is measured against).
     scheduling: str = "continuous"

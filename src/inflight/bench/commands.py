@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import platform
 import time
@@ -30,7 +31,11 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-requests", type=int, default=64)
     group.add_argument("--seed", dest="workload_seed", type=int, default=0)
     group.add_argument("--input-len", type=int, default=128, help="uniform workload prompt length")
-    group.add_argument("--output-len", type=int, default=128, help="uniform workload output length")
+    group.add_argument("--output-len", type=int, default=128,
+                       help="output length of the uniform, shared-prefix and multi-turn workloads")
+    group.add_argument("--prefix-len", type=int, default=1000,
+                       help="shared-prefix workload: length of the shared system prompt")
+    group.add_argument("--turns", type=int, default=4, help="multi-turn workload: turns per conversation")
     group.add_argument("--ignore-eos", action="store_true",
                        help="generate exactly max_tokens per request")
 
@@ -39,13 +44,20 @@ def load_workload(args: argparse.Namespace, engine: EngineCore) -> list[BenchReq
     if args.workload in SYNTHETIC:
         return synthetic(args.workload, args.num_requests, args.workload_seed,
                          engine.model_config.vocab_size, engine.max_model_len,
-                         _special_ids(engine), args.input_len, args.output_len)
+                         _special_ids(engine), args.input_len, args.output_len,
+                         args.prefix_len, args.turns)
     return from_file(Path(args.workload))
 
 
 def _special_ids(engine: EngineCore) -> frozenset[int]:
     specials = engine.tokenizer.special_token_ids if engine.tokenizer else frozenset()
     return specials | engine.eos_token_ids
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise ValueError(f"prefix caching must be on or off, got {text!r}")
+    return text == "on"
 
 
 def _int_list(text: str) -> list[int]:
@@ -63,20 +75,21 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     seqs = _int_list(args.max_num_seqs_list) if args.max_num_seqs_list else [base.max_num_seqs]
     modes = [m for m in args.scheduling_list.split(",") if m]
     preemption = [m for m in args.preemption_list.split(",") if m] or [base.preemption_mode]
+    caching = ([_on_off(x) for x in args.prefix_caching_list.split(",") if x]
+               or [base.enable_prefix_caching])
     results: list[ThroughputResult] = []
     requests = None
     engine = None
-    for mode in modes:
-        for preempt in preemption:
-            for n in seqs:
-                engine = _engine(base, args.model_stub, scheduling=mode, max_num_seqs=n,
-                                 preemption_mode=preempt)
-                requests = requests or load_workload(args, engine)
-                label = mode if len(preemption) == 1 else f"{mode}/{preempt}"
-                print(f"running {label} batching, max_num_seqs={n}, {len(requests)} requests ...",
-                      flush=True)
-                results.append(run_engine(engine, requests, label=label,
-                                          ignore_eos=args.ignore_eos, profile=args.profile))
+    for mode, preempt, cache, n in itertools.product(modes, preemption, caching, seqs):
+        engine = _engine(base, args.model_stub, scheduling=mode, max_num_seqs=n,
+                         preemption_mode=preempt, enable_prefix_caching=cache)
+        requests = requests or load_workload(args, engine)
+        label = "/".join([mode] + [preempt] * (len(preemption) > 1)
+                         + [f"cache-{'on' if cache else 'off'}"] * (len(caching) > 1))
+        print(f"running {label} batching, max_num_seqs={n}, {len(requests)} requests ...",
+              flush=True)
+        results.append(run_engine(engine, requests, label=label,
+                                  ignore_eos=args.ignore_eos, profile=args.profile))
     assert engine is not None and requests is not None
     if args.baseline == "hf":
         print(f"running Hugging Face generate, static batches of {args.hf_batch_size} ...", flush=True)
@@ -96,14 +109,17 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
 def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
             requests: list[BenchRequest], results: list[ThroughputResult]) -> dict[str, Any]:
     print()
-    print(f"{'run':<12}{'seqs':>5}{'req/s':>8}{'out tok/s':>11}{'total tok/s':>13}"
+    width = max(12, *(len(r.label) + 2 for r in results))
+    print(f"{'run':<{width}}{'seqs':>5}{'req/s':>8}{'out tok/s':>11}{'total tok/s':>13}"
           f"{'occupancy':>11}{'idle slot-steps':>17}{'(padded)':>10}{'steps':>7}{'wall s':>8}"
-          f"{'preempt':>9}")
+          f"{'preempt':>9}{'TTFT s':>8}{'prefix hit':>12}")
     for r in results:
-        print(f"{r.label:<12}{r.max_num_seqs:>5}{r.requests_per_second:>8.2f}"
+        hit = "-" if r.prefix_cache_hit_rate is None else f"{100 * r.prefix_cache_hit_rate:.1f}%"
+        print(f"{r.label:<{width}}{r.max_num_seqs:>5}{r.requests_per_second:>8.2f}"
               f"{r.output_tokens_per_second:>11.1f}{r.total_tokens_per_second:>13.1f}"
               f"{100 * r.mean_occupancy:>10.1f}%{r.idle_slot_steps:>17}{r.padded_slot_steps:>10}"
-              f"{r.steps:>7}{r.wall_seconds:>8.1f}{r.preemptions:>9}")
+              f"{r.steps:>7}{r.wall_seconds:>8.1f}{r.preemptions:>9}{r.mean_ttft_seconds:>8.2f}"
+              f"{hit:>12}")
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
         "workload": {"name": args.workload, "num_requests": len(requests),
@@ -147,8 +163,8 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
 
 
 def _ratios(results: list[ThroughputResult]) -> dict[str, float]:
-    """Continuous over static at each max_num_seqs, swap over recompute, and
-    continuous over HF generate."""
+    """Continuous over static at each max_num_seqs, swap over recompute, prefix
+    cache on over off, and continuous over HF generate."""
     by = {(r.label, r.max_num_seqs): r for r in results}
     ratios = {}
     for (label, n), r in by.items():
@@ -160,6 +176,14 @@ def _ratios(results: list[ThroughputResult]) -> dict[str, float]:
         if mode == "swap" and (f"{base}/recompute", n) in by:
             ratios[f"swap/recompute total tokens/s at max_num_seqs={n}"] = (
                 r.total_tokens_per_second / by[f"{base}/recompute", n].total_tokens_per_second)
+    for (label, n), r in by.items():
+        base, _, cache = label.rpartition("/")
+        if cache == "cache-on" and (f"{base}/cache-off", n) in by:
+            off = by[f"{base}/cache-off", n]
+            ratios[f"cache off/on mean TTFT at max_num_seqs={n}"] = (
+                off.mean_ttft_seconds / r.mean_ttft_seconds)
+            ratios[f"cache on/off total tokens/s at max_num_seqs={n}"] = (
+                r.total_tokens_per_second / off.total_tokens_per_second)
     hf = next((r for r in results if r.label == "hf-generate"), None)
     if hf is not None:
         for (label, n), r in by.items():

@@ -313,8 +313,9 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
         ax.set_title(f"{metric.upper()} percentiles per request class")
         ax.set_yscale("log")
         ax.grid(True, axis="y", alpha=0.3)
-    axes[1].legend(fontsize=7, ncol=max(1, len(runs)))
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))  # room for the legend below the plots
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

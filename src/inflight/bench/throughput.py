@@ -31,6 +31,8 @@ class ThroughputResult:
     idle_slot_steps: int         # sum over steps of (max_num_seqs - live requests), padding included
     padded_slot_steps: int = 0   # of which slots computed as padding (static batching)
     preemptions: int = 0
+    mean_ttft_seconds: float = 0.0  # arrival (all at the start, or a turn's send) to first token
+    prefix_cache_hit_rate: float | None = None  # prompt tokens found cached / looked up
     profile_ms_per_step: dict[str, float] | None = None
     # Requests in the batch at each step (for the occupancy timeline).
     occupancy: list[int] = field(default_factory=list, repr=False)
@@ -62,16 +64,30 @@ class ThroughputResult:
 def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
                ignore_eos: bool, profile: bool = False, record_batches: bool = False,
                warmup: bool = True) -> ThroughputResult:
-    """Add every request at once, step the engine until all finish, and time it."""
+    """Add every request at once (a conversation's next turn once the previous
+    one is answered), step the engine until all finish, and time it."""
     if warmup:
         _warm_up(engine)
     profiler = None
     if profile:
         profiler = StepProfiler(engine.device)
         profiler.attach(engine)
-    ids = [engine.add_request(r.as_prompt(), SamplingParams(
-        temperature=0, max_tokens=r.max_tokens, ignore_eos=ignore_eos)) for r in requests]
-    pending = set(ids)
+    kv = engine.kv_cache
+    queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+    followers: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        if r.follows is not None:
+            followers.setdefault(r.follows, []).append(i)
+
+    def submit(i: int, history: list[int]) -> str:
+        r = requests[i]
+        prompt = ({"prompt_token_ids": history + r.prompt_token_ids} if r.follows is not None
+                  else r.as_prompt())
+        return engine.add_request(prompt, SamplingParams(
+            temperature=0, max_tokens=r.max_tokens, ignore_eos=ignore_eos), request_id=f"b{i}")
+
+    pending = {submit(i, []) for i, r in enumerate(requests) if r.follows is None}
+    ttfts: list[float] = []
     prompt_tokens = output_tokens = steps = idle = padded = 0
     occupancy: list[int] = []
     batches: list[list[str]] = []
@@ -85,6 +101,11 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
                 pending.discard(out.request_id)
                 prompt_tokens += len(out.prompt_token_ids)
                 output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                if out.metrics.first_token_time is not None:
+                    ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+                history = out.prompt_token_ids + out.outputs[0].token_ids
+                for i in followers.get(int(out.request_id[1:]), ()):
+                    pending.add(submit(i, history))
         stats = engine.last_step
         if stats.num_requests or stats.num_padding:
             steps += 1
@@ -101,6 +122,9 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
         steps=steps, mean_occupancy=sum(occupancy) / max(1, steps) / slots,
         idle_slot_steps=idle, padded_slot_steps=padded,
         preemptions=engine.scheduler.stats.num_preemptions - preemptions_before,
+        mean_ttft_seconds=sum(ttfts) / max(1, len(ttfts)),
+        prefix_cache_hit_rate=((kv.prefix_cache_hits - hits) / (kv.prefix_cache_queries - queries)
+                               if kv.prefix_cache_queries > queries else None),
         profile_ms_per_step=profiler.report() if profiler else None,
         occupancy=occupancy, batches=batches, padding=padding)
 
@@ -113,6 +137,7 @@ def _warm_up(engine: EngineCore) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     del ids
+    engine.reset_prefix_cache()
 
 
 def run_hf_generate(model_dir: Path, requests: list[BenchRequest], *, batch_size: int,
@@ -122,6 +147,8 @@ def run_hf_generate(model_dir: Path, requests: list[BenchRequest], *, batch_size
     each batch runs until its longest request is done."""
     import transformers  # optional: the `bench` and `test` extras
 
+    if any(r.follows is not None for r in requests):
+        raise ValueError("the hf baseline runs independent requests, not conversations")
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
     _hf_generate_batch(model, batches[0][:2], ignore_eos, pad_token_id, eos_token_ids, max_new=2)

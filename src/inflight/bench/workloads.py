@@ -21,9 +21,14 @@ SHAREGPT_SIGMA = 1.0  # log-normal shape
 
 @dataclass
 class BenchRequest:
+    """One request. With ``follows``, the next turn of a conversation: it is sent
+    once request ``follows`` (an index) has finished, and its prompt is that
+    request's prompt and answer followed by ``prompt_token_ids``."""
+
     prompt_token_ids: list[int] | None
     max_tokens: int
     prompt: str | None = None
+    follows: int | None = None
 
     def as_prompt(self) -> dict[str, Any]:
         if self.prompt_token_ids is not None:
@@ -31,15 +36,21 @@ class BenchRequest:
         return {"prompt": self.prompt}
 
 
-SYNTHETIC = ("mixed", "sharegpt-like", "uniform")
+SYNTHETIC = ("mixed", "sharegpt-like", "uniform", "shared-prefix", "multi-turn")
 
 
 def synthetic(name: str, num_requests: int, seed: int, vocab_size: int, max_model_len: int,
               special_ids: frozenset[int] = frozenset(), input_len: int = 128,
-              output_len: int = 128) -> list[BenchRequest]:
+              output_len: int = 128, prefix_len: int = 1000,
+              turns: int = 4) -> list[BenchRequest]:
     """``mixed``: prompts uniform in 16..256 tokens, outputs 16/64/256 with weights
     .5/.3/.2; ``sharegpt-like``: log-normal lengths with ShareGPT's means, clipped
-    to the context; ``uniform``: every request ``input_len`` in, ``output_len`` out."""
+    to the context; ``uniform``: every request ``input_len`` in, ``output_len`` out;
+    ``shared-prefix``: one ``prefix_len``-token system prompt before every
+    request's own 16..48-token question, ``output_len`` out; ``multi-turn``:
+    conversations of ``turns`` requests, each turn sent when the previous one is
+    answered, with the history, a new 16..64-token message, ``output_len`` out
+    (the first turn opens with a 64..256-token system prompt of its own)."""
     rng = random.Random(seed)
     ordinary = [t for t in range(vocab_size) if t not in special_ids]
 
@@ -50,6 +61,24 @@ def synthetic(name: str, num_requests: int, seed: int, vocab_size: int, max_mode
         mu = math.log(mean) - SHAREGPT_SIGMA ** 2 / 2
         return max(1, round(rng.lognormvariate(mu, SHAREGPT_SIGMA)))
 
+    if name == "shared-prefix":
+        system = prompt(prefix_len)
+        requests = [BenchRequest(system + prompt(rng.randint(16, 48)), output_len)
+                    for _ in range(num_requests)]
+        return _fitting(requests, name, max_model_len)
+    if name == "multi-turn":
+        requests = []
+        for i in range(num_requests):
+            first = i % turns == 0
+            size = rng.randint(64, 256) + rng.randint(16, 64) if first else rng.randint(16, 64)
+            requests.append(BenchRequest(prompt(size), output_len,
+                                         follows=None if first else i - 1))
+        longest = max(sum(len(requests[j].prompt_token_ids) + output_len
+                          for j in range(i - i % turns, i + 1)) for i in range(num_requests))
+        if longest > max_model_len:
+            raise ValueError(f"a multi-turn conversation reaches {longest} tokens, more than "
+                             f"max_model_len={max_model_len}")
+        return requests
     requests = []
     for _ in range(num_requests):
         if name == "mixed":
@@ -62,10 +91,16 @@ def synthetic(name: str, num_requests: int, seed: int, vocab_size: int, max_mode
             n_in, n_out = input_len, output_len
         else:
             raise ValueError(f"workload must be a file or one of {SYNTHETIC}, got {name!r}")
-        if n_in + n_out > max_model_len:
-            raise ValueError(f"a {name} request needs {n_in + n_out} tokens, more than "
-                             f"max_model_len={max_model_len}")
         requests.append(BenchRequest(prompt(n_in), n_out))
+    return _fitting(requests, name, max_model_len)
+
+
+def _fitting(requests: list[BenchRequest], name: str, max_model_len: int) -> list[BenchRequest]:
+    for r in requests:
+        need = len(r.prompt_token_ids) + r.max_tokens
+        if need > max_model_len:
+            raise ValueError(f"a {name} request needs {need} tokens, more than "
+                             f"max_model_len={max_model_len}")
     return requests
 
 

@@ -1,10 +1,24 @@
-"""Paged KV cache bookkeeping: a pool of fixed-size blocks, a free list, and each
-request's block table. Only integers live here; the tensors that hold K and V
-belong to the worker, which addresses them by these block ids.
+"""Paged KV cache bookkeeping: a pool of fixed-size blocks, reference counts, a
+prefix cache, and each request's block table. Only integers and hashes live
+here; the tensors that hold K and V belong to the worker, which addresses them
+by these block ids.
 
 Every token position ``p`` of a request lives in block ``table[p // block_size]``
 at offset ``p % block_size``, so memory is never fragmented: any free block can
 serve any request.
+
+Prefix caching: once a block is full and its KV computed, it is registered
+under its content hash (``core.block_hash``). A new request whose leading blocks
+hash the same takes those blocks instead of recomputing them (its reference
+raises the block's count). A full block is never written again, so sharing it
+is safe. When a block's count drops to zero it keeps its content and stays
+findable ("evictable"); plain free blocks are handed out first, and evictable
+ones are reclaimed least recently used first, only once no plain one is left.
+A request frees its blocks tail first, so its tail is evicted before its head.
+
+Parallel samples of one prompt share the prompt's blocks by ``fork``; the
+partly filled last block, which a sample will write, is copied instead
+(copy-on-write).
 
 An optional host pool holds the blocks of requests preempted by swapping: their
 KV is copied to host memory and back, instead of being recomputed.
@@ -12,7 +26,14 @@ KV is copied to host memory and back, instead of being recomputed.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from inflight.core.block_hash import extend_block_hashes
+
+if TYPE_CHECKING:
+    from inflight.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -20,25 +41,43 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 enable_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
             raise ValueError("num_blocks and block_size must be >= 1, num_host_blocks >= 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self._free: deque[int] = deque(range(num_blocks))  # hold nothing reusable
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused; LRU first
+        self._ref_counts = [0] * num_blocks
+        self._block_hashes: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # content hash -> block
         self._tables: dict[str, list[int]] = {}
+        # Leading blocks of each table already registered in (or checked against)
+        # the prefix cache.
+        self._num_hashed: dict[str, int] = {}
         self._host_free: deque[int] = deque(range(num_host_blocks))
         self._host_tables: dict[str, list[int]] = {}
+        # Prompt tokens looked up in the prefix cache, and of those found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_evicted_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no request holds: plain free ones and evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of blocks held by requests, 0..1."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     @property
     def capacity_tokens(self) -> int:
@@ -48,56 +87,176 @@ class KVCacheManager:
         """The request's block table (empty if it holds none). Do not mutate."""
         return self._tables.get(request_id, [])
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Grow the request's table to hold ``num_tokens`` token positions.
+    def ref_count(self, block: int) -> int:
+        return self._ref_counts[block]
 
-        Returns the newly added block ids (possibly none), or None, changing
+    def block_hash(self, block: int) -> bytes | None:
+        """The content hash a block is cached under, if any."""
+        return self._block_hashes[block]
+
+    # ----------------------------------------------------------- prefix cache
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks holding the longest prefix of the request's tokens,
+        leaving at least its last token to compute (its logits are needed).
+        Changes nothing; pass the result to ``allocate_slots``."""
+        if not self.enable_caching:
+            return []
+        hashes = self._hashes(request, request.num_tokens)
+        blocks = []
+        for h in hashes[:(request.num_tokens - 1) // self.block_size]:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's blocks that became full and computed."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        done = self._num_hashed.get(rid, 0)
+        full = request.num_computed_tokens // self.block_size
+        if full <= done:
+            return
+        hashes = self._hashes(request, request.num_computed_tokens)
+        table = self._tables[rid]
+        for i in range(done, full):
+            block, h = table[i], hashes[i]
+            # Already cached under this hash (a hit), or a twin computed by
+            # another request got there first: leave the map as it is.
+            if self._block_hashes[block] is None and h not in self._cached:
+                self._block_hashes[block] = h
+                self._cached[h] = block
+        self._num_hashed[rid] = full
+
+    def _hashes(self, request: Request, num_tokens: int) -> list[bytes]:
+        return extend_block_hashes(request.block_hashes, request.all_token_ids[:num_tokens],
+                                   self.block_size, request.cache_salt)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (in use ones stay with their requests);
+        returns how many were forgotten."""
+        count = len(self._cached)
+        for block in self._cached.values():
+            self._block_hashes[block] = None
+        self._cached.clear()
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        return count
+
+    # ------------------------------------------------------------- allocation
+    def allocate_slots(self, request_id: str, num_tokens: int,
+                       cached_blocks: Sequence[int] = ()) -> list[int] | None:
+        """Grow the request's table to hold ``num_tokens`` token positions,
+        starting a new table with ``cached_blocks`` (from ``find_cached_prefix``).
+
+        Returns the newly allocated block ids (possibly none), or None, changing
         nothing, if the free pool is too small.
         """
         table = self._tables.get(request_id)
-        have = 0 if table is None else len(table)
+        have = len(cached_blocks) if table is None else len(table)
         need = cdiv(num_tokens, self.block_size) - have
+        reviving = sum(self._ref_counts[b] == 0 for b in cached_blocks)
+        if need > self.num_free_blocks - reviving:
+            return None
+        if table is None:
+            table = self._tables[request_id] = []
+            for block in cached_blocks:
+                self._take(block)
+            table.extend(cached_blocks)
+            self._num_hashed[request_id] = len(cached_blocks)
         if need <= 0:
             return []
-        if need > len(self._free):
-            return None
-        new = [self._free.popleft() for _ in range(need)]
-        if table is None:
-            self._tables[request_id] = new
-            return list(new)
+        new = [self._pop_free() for _ in range(need)]
         table.extend(new)
         return new
 
+    def _take(self, block: int) -> None:
+        if self._ref_counts[block] == 0:
+            del self._evictable[block]
+        self._ref_counts[block] += 1
+
+    def _pop_free(self) -> int:
+        """A block for new content: a plain free one, else the least recently
+        used cached one, which is evicted."""
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._block_hashes[block]]
+            self._block_hashes[block] = None
+            self.num_evicted_blocks += 1
+        self._ref_counts[block] = 1
+        return block
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, tuple[int, int] | None]:
+        """Give ``child_id`` (holding no blocks) the parent's KV for its first
+        ``num_tokens`` positions: full blocks shared, a partly filled last block
+        copied. Returns the number of positions the child now has and the
+        (source, destination) block pair to copy, if any; without a free block
+        for the copy, only the full blocks are shared."""
+        parent = self._tables[parent_id]
+        full = num_tokens // self.block_size
+        table = self._tables[child_id] = []
+        for block in parent[:full]:
+            self._take(block)
+            table.append(block)
+        self._num_hashed[child_id] = 0
+        if full * self.block_size == num_tokens or not self.num_free_blocks:
+            return full * self.block_size, None
+        copy = self._pop_free()
+        table.append(copy)
+        return num_tokens, (parent[full], copy)
+
     def free(self, request_id: str) -> None:
-        """Return all of the request's blocks, device and host, to their pools."""
-        self._free.extend(self._tables.pop(request_id, ()))
+        """Release all of the request's blocks, device and host."""
+        for block in reversed(self._tables.pop(request_id, ())):
+            self._release(block)
+        self._num_hashed.pop(request_id, None)
         self._host_free.extend(self._host_tables.pop(request_id, ()))
 
+    def _release(self, block: int) -> None:
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            if self._block_hashes[block] is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = None
+
+    # ------------------------------------------------------------------- swap
     @property
     def num_free_host_blocks(self) -> int:
         return len(self._host_free)
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Move the request's table to host blocks, freeing its device blocks.
-        Returns the (device, host) block pairs to copy, or None, changing
-        nothing, if the host pool is too small."""
+        """Move the request's table to host blocks, releasing its device blocks
+        (shared or cached ones stay with the cache). Returns the (device, host)
+        block pairs to copy, or None, changing nothing, if the host pool is too
+        small."""
         table = self._tables.get(request_id, [])
         if len(table) > len(self._host_free):
             return None
         host = [self._host_free.popleft() for _ in table]
+        pairs = list(zip(table, host))
+        self.free(request_id)
         self._host_tables[request_id] = host
-        self._free.extend(self._tables.pop(request_id, ()))
-        return list(zip(table, host))
+        return pairs
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move a swapped request's table back to device blocks. Returns the
         (host, device) pairs to copy, or None, changing nothing, if the device
         pool is too small."""
         host = self._host_tables.get(request_id, [])
-        if len(host) > len(self._free):
+        if len(host) > self.num_free_blocks:
             return None
-        device = [self._free.popleft() for _ in host]
+        device = [self._pop_free() for _ in host]
         self._tables[request_id] = device
+        self._num_hashed[request_id] = 0
         self._host_free.extend(self._host_tables.pop(request_id, ()))
         return list(zip(host, device))
 

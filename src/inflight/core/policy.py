@@ -81,6 +81,9 @@ class SchedulingPolicy(ABC):
     def on_tokens(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
         """Tokens of the request were computed (fair-share accounting)."""
 
+    def on_fork(self, request: Request) -> None:
+        """A sample forked from a running request started running, never queued."""
+
     def release(self, request: Request) -> None:
         """The request left the engine (finished or aborted)."""
 
@@ -237,6 +240,9 @@ class FairSharePolicy(SchedulingPolicy):
 
     def remove(self, request: Request) -> None:
         self._queues[request.tenant].remove(request)
+
+    def on_fork(self, request: Request) -> None:
+        self._active[request.tenant] += 1
 
     def release(self, request: Request) -> None:
         self._active[request.tenant] -= 1

@@ -44,14 +44,19 @@ class Request:
 
     Scheduling hints: ``priority`` (lower first), ``tenant`` (fair share),
     ``deadline`` (absolute time, seconds) and ``expected_output_tokens`` (for
-    shortest-job-first; ``max_tokens`` when not given). ``history`` records
-    what happened to the request, with timestamps."""
+    shortest-job-first; ``max_tokens`` when not given). ``cache_salt`` keeps
+    its KV blocks apart from those of requests with another salt. ``history``
+    records what happened to the request, with timestamps.
+
+    The other samples of a prompt (``n`` > 1) wait in ``pending_forks`` until
+    this request has computed the prompt; then they start from its KV."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, max_tokens: int,
                  eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
                  priority: int = 0, tenant: str | None = None, deadline: float | None = None,
-                 expected_output_tokens: int | None = None) -> None:
+                 expected_output_tokens: int | None = None,
+                 cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
@@ -60,6 +65,10 @@ class Request:
         self.deadline = deadline
         self.expected_output_tokens = (max_tokens if expected_output_tokens is None
                                        else expected_output_tokens)
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []  # of its full blocks, filled in lazily
+        self.pending_forks: list[Request] = []
+        self.fork_parent: Request | None = None  # while this one is a pending fork
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -68,6 +77,8 @@ class Request:
         # The stop token id or stop string that ended the request, if any.
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Prompt tokens found in the prefix cache at first admission.
+        self.num_cached_tokens = 0
         # Static batching only: finished, but still computed as padding until the
         # rest of its batch finishes.
         self.padding = False

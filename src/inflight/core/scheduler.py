@@ -12,7 +12,12 @@ Each ``schedule()`` call plans one forward step under one token budget
    when it resumes); either way it returns to the waiting queue;
 2. then, if nothing was preempted, waiting requests in policy order while
    budget, sequence slots and KV blocks last. With ``preempt_for_priority``, a
-   waiting request that outranks a running one may take its place.
+   waiting request that outranks a running one may take its place. A request
+   being admitted starts past the longest prefix of its tokens found in the
+   prefix cache.
+
+The samples of an ``n`` > 1 request are admitted as one: the first computes the
+prompt, and the step that finishes it forks the others onto its KV blocks.
 
 With ``static_batching`` the same loop emulates classic static batching (as
 in Hugging Face ``generate``) for comparison: a new batch is admitted only once
@@ -41,8 +46,9 @@ class SchedulerOutput:
     """One step's plan. ``requests[i]`` computes ``num_new_tokens[i]`` tokens
     starting at its ``num_computed_tokens``; its KV blocks are ``block_ids[i]``
     (the manager's live table: read, do not keep). Before the step, the worker
-    copies ``swap_out`` (device, host) block pairs to host memory, then
-    ``swap_in`` (host, device) pairs back."""
+    copies ``copy_blocks`` (source, destination) pairs on the device (the
+    copy-on-write of forks), then ``swap_out`` (device, host) block pairs to
+    host memory, then ``swap_in`` (host, device) pairs back."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -52,6 +58,7 @@ class SchedulerOutput:
     # with a new block table).
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Requests the scheduler itself ended this step (expired deadlines).
@@ -106,18 +113,28 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._ended_ids: list[str] = []
+        self._pending_copies: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ queue
-    def add_request(self, request: Request) -> None:
-        """Queue a request, or raise ValueError if it can never run."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+    def add_request(self, request: Request, forks: list[Request] | tuple[()] = ()) -> None:
+        """Queue a request, with ``forks``: the other samples of its prompt, which
+        start from its KV once it has computed the prompt. Raises ValueError,
+        queueing nothing, if they can never run."""
+        for r in (request, *forks):
+            if r.request_id in self.requests:
+                raise ValueError(f"request_id {r.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise ValueError("prompt must contain at least one token")
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(f"prompt has {request.num_prompt_tokens} tokens, more than "
                              f"max_model_len={self.max_model_len}")
+        if 1 + len(forks) > self.max_num_seqs:
+            raise ValueError(f"n ({1 + len(forks)}) exceeds max_num_seqs={self.max_num_seqs}")
         self.requests[request.request_id] = request
+        for fork in forks:
+            fork.fork_parent = request
+            self.requests[fork.request_id] = fork
+        request.pending_forks = list(forks)
         self.policy.add(request)
 
     def finish_requests(self, request_ids: list[str] | str, reason: FinishReason) -> list[Request]:
@@ -129,8 +146,6 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None:
                 continue
-            if request.status is not RequestStatus.RUNNING:
-                self.policy.remove(request)
             self._end(request, reason)
             ended.append(request)
         return ended
@@ -148,8 +163,9 @@ class Scheduler:
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self._ended_ids)
-        self._ended_ids = []
+        out = SchedulerOutput(finished_request_ids=self._ended_ids,
+                              copy_blocks=self._pending_copies)
+        self._ended_ids, self._pending_copies = [], []
         now = time.time()
         if self.drop_expired:
             self._drop_expired(out, now)
@@ -247,23 +263,31 @@ class Scheduler:
             if self._tenant_at_limit(request.tenant):
                 deferred.append(self.policy.pop())
                 continue
-            pending = request.num_tokens - request.num_computed_tokens
+            swapped = request.status is RequestStatus.SWAPPED
+            cached = [] if swapped else self.kv_cache.find_cached_prefix(request)
+            start = request.num_computed_tokens if swapped else len(cached) * self.kv_cache.block_size
+            pending = request.num_tokens - start
             if pending > budget and not self.enable_chunked_prefill:
                 budget_bound = True
                 break
             num_new = min(pending, budget)
-            if len(self.running) >= self.max_num_seqs or not self._claim_blocks(out, request,
-                                                                                num_new):
+            if (self._num_seq_slots() + 1 + len(request.pending_forks) > self.max_num_seqs
+                    or not self._claim_blocks(out, request, start + num_new, cached)):
                 freed = self._displace_for(out, request, admitted, now)
                 if freed is None:
                     break
                 budget += freed
                 continue
             self.policy.pop()
+            if not swapped:
+                request.num_computed_tokens = start
+                if self.kv_cache.enable_caching:
+                    self.kv_cache.record_lookup(request.num_tokens, start)
             resumed = request.status is not RequestStatus.WAITING
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+                request.num_cached_tokens = start
             request.record("resumed" if resumed else "scheduled", now)
             self.running.append(request)
             admitted.add(request.request_id)
@@ -276,16 +300,21 @@ class Scheduler:
             self.policy.requeue(request)
         return budget_bound, chunked, budget
 
-    def _claim_blocks(self, out: SchedulerOutput, request: Request, num_new: int) -> bool:
-        """Give a request being admitted the blocks for its computed and new
-        tokens, swapping its KV back in if it was swapped out."""
+    def _claim_blocks(self, out: SchedulerOutput, request: Request, num_tokens: int,
+                      cached: list[int]) -> bool:
+        """Give a request being admitted the blocks for its first ``num_tokens``
+        positions: its ``cached`` prefix blocks and new ones, or, if it was
+        swapped out, its KV swapped back in."""
         kv = self.kv_cache
         if request.status is RequestStatus.SWAPPED:
-            needed = cdiv(request.num_computed_tokens + num_new, kv.block_size)
-            if needed > kv.num_free_blocks:
+            if cdiv(num_tokens, kv.block_size) > kv.num_free_blocks:
                 return False
             out.swap_in.extend(kv.swap_in(request.request_id))
-        return kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is not None
+        return kv.allocate_slots(request.request_id, num_tokens, cached) is not None
+
+    def _num_seq_slots(self) -> int:
+        """Sequence slots taken: running requests and the forks they will make."""
+        return len(self.running) + sum(len(r.pending_forks) for r in self.running)
 
     def _displace_for(self, out: SchedulerOutput, request: Request, admitted: set[str],
                       now: float) -> int | None:
@@ -350,9 +379,7 @@ class Scheduler:
         """End every request whose deadline has passed (``drop_expired``)."""
         expired = [r for r in [*self.policy, *self.running]
                    if r.deadline is not None and now > r.deadline and not r.padding]
-        for request in expired:
-            if request.status is not RequestStatus.RUNNING:
-                self.policy.remove(request)
+        for request in [f for r in expired for f in r.pending_forks] + expired:
             self._end(request, FinishReason.DEADLINE, now)
             out.expired.append(request)
 
@@ -370,6 +397,9 @@ class Scheduler:
                                                 - request.num_computed_tokens))
                 self.policy.on_tokens(request, prompt_part, num_new - prompt_part)
             request.num_computed_tokens += num_new
+            self.kv_cache.cache_blocks(request)
+            if request.pending_forks and request.num_computed_tokens >= request.num_prompt_tokens:
+                self._fork(request, now)
             if token is None:
                 continue
             if request.padding:  # its tokens only keep the batch's shape
@@ -393,23 +423,54 @@ class Scheduler:
                 self._release(request)
         return updated
 
+    def _fork(self, parent: Request, now: float) -> None:
+        """Start the parent's other samples from its KV: each shares the blocks of
+        all prompt tokens but the last, which it computes itself for its own
+        first token."""
+        for child in parent.pending_forks:
+            shared, copy = self.kv_cache.fork(parent.request_id, child.request_id,
+                                              parent.num_prompt_tokens - 1)
+            if copy is not None:
+                self._pending_copies.append(copy)
+            child.fork_parent = None
+            child.num_computed_tokens = shared
+            child.status = RequestStatus.RUNNING
+            child.first_scheduled_time = now
+            child.record("forked", now, f"from {parent.request_id}, sharing {shared} tokens of KV")
+            self.policy.on_fork(child)
+            self.running.append(child)
+        parent.pending_forks = []
+
     def _end(self, request: Request, reason: FinishReason, now: float | None = None) -> None:
-        """Finish a request that is not running, or running and to be freed now."""
-        self._finish(request, reason, now)
-        if request in self.running:
-            self.running.remove(request)
+        """Finish a live request now, wherever it is, and free its blocks."""
+        parent = request.fork_parent
+        if parent is not None:  # a sample still waiting for its prompt
+            parent.pending_forks.remove(request)
+            request.fork_parent = None
+            self._finish(request, reason, now, known_to_policy=False)
+            return
+        if request.status in (RequestStatus.RUNNING, RequestStatus.FINISHED):
+            self._finish(request, reason, now)
+            if request in self.running:
+                self.running.remove(request)
+        else:
+            self.policy.remove(request)
+            self._finish(request, reason, now)
         self.kv_cache.free(request.request_id)
         self._ended_ids.append(request.request_id)
 
-    def _finish(self, request: Request, reason: FinishReason, now: float | None) -> None:
-        """Mark a request finished for its caller (its blocks are freed separately)."""
+    def _finish(self, request: Request, reason: FinishReason, now: float | None,
+                known_to_policy: bool = True) -> None:
+        """Mark a request finished for its caller (its blocks are freed separately).
+        A pending fork is not ``known_to_policy`` yet."""
         now = time.time() if now is None else now
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_time = now
         request.record("finished", now, reason.value)
         del self.requests[request.request_id]
-        self.policy.release(request)
+        if known_to_policy:
+            self.policy.release(request)
 
     def _release(self, request: Request) -> None:
         """Take a finished request out of the batch and free its blocks."""

@@ -16,6 +16,7 @@ between regions, which made every decode step about 30% slower here.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -111,7 +112,7 @@ class AsyncEngine:
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes. ``scheduling`` takes the
         options of ``EngineCore.prepare_request`` (priority, tenant, deadline_ms,
-        expected_output_tokens). Raises ValueError for bad input, QueueFullError
+        expected_output_tokens, cache_salt). Raises ValueError for bad input, QueueFullError
         under backpressure, QueueTimeoutError when it waited too long. Closing
         the iterator early (a client went away) aborts the request."""
         if self._dead is not None:
@@ -154,6 +155,17 @@ class AsyncEngine:
                     self._inbox.append(("abort", rid))
                     self._lock.notify()
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache (done by the loop thread between steps);
+        returns how many cached blocks were forgotten."""
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            self._inbox.append(("reset_prefix_cache", done))
+            self._lock.notify()
+        return await asyncio.wrap_future(done)
+
     def shutdown(self, timeout: float = 0.0) -> None:
         """Wait up to ``timeout`` seconds for in-flight requests, then stop the
         loop; requests still running end with an error."""
@@ -186,8 +198,10 @@ class AsyncEngine:
                 for kind, item in inbox:
                     if kind == "add":
                         self._submit(item)
-                    else:
+                    elif kind == "abort":
                         self._abort(item)
+                    else:  # "reset_prefix_cache"
+                        item.set_result(core.reset_prefix_cache())
                 if self.max_queue_wait is not None:
                     for rid in core.abort_waiting_older_than(self.max_queue_wait):
                         self._fail(rid, QueueTimeoutError(

@@ -64,6 +64,9 @@ class StepStats:
     request_ids: list[str] = field(default_factory=list)  # the batch, in order
     padding_ids: list[str] = field(default_factory=list)
     kv_cache_usage: float = 0.0
+    # Prompt tokens looked up in the prefix cache at admission, and found there.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # Per-sequence events of the step, for latency metrics:
     generation_tokens: int = 0
     # (time to first token, time queued before first scheduled, prompt tokens)
@@ -136,7 +139,8 @@ class EngineCore:
         self.runner = ModelRunner(model, backend, num_blocks=num_blocks,
                                   num_host_blocks=num_host_blocks, block_size=block_size,
                                   device=self.device, dtype=self.dtype, seed=config.seed)
-        self.kv_cache = KVCacheManager(num_blocks, block_size, num_host_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, num_host_blocks,
+                                       enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache,
             make_policy(config.scheduling_policy,
@@ -212,14 +216,16 @@ class EngineCore:
                         request_id: str | None = None, stream: bool = False,
                         arrival_time: float | None = None, priority: int = 0,
                         tenant: str | None = None, deadline_ms: float | None = None,
-                        expected_output_tokens: int | None = None) -> PreparedRequest:
+                        expected_output_tokens: int | None = None,
+                        cache_salt: str | None = None) -> PreparedRequest:
         """Validate and tokenize a request without touching the engine's state (so
         any thread may call it); ``submit`` queues the result.
 
         ``priority``: lower runs first (priority policy); ``tenant``: whose share
         it counts against (fair policy); ``deadline_ms``: due this long after
         arrival (deadline policy); ``expected_output_tokens``: its expected
-        length, for shortest-job-first (``max_tokens`` otherwise)."""
+        length, for shortest-job-first (``max_tokens`` otherwise);
+        ``cache_salt``: shares cached KV only with requests of the same salt."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -242,6 +248,8 @@ class EngineCore:
                 not isinstance(expected_output_tokens, int) or expected_output_tokens < 1):
             raise ValueError(f"expected_output_tokens must be an integer >= 1, "
                              f"got {expected_output_tokens!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         arrival = time.time() if arrival_time is None else arrival_time
         deadline = None if deadline_ms is None else arrival + deadline_ms / 1000
         sequences = []
@@ -253,7 +261,7 @@ class EngineCore:
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             sequences.append(Request(seq_id, ids, seq_params, max_tokens, self.eos_token_ids,
                                      arrival, priority, tenant, deadline,
-                                     expected_output_tokens))
+                                     expected_output_tokens, cache_salt))
         return PreparedRequest(request_id, text, ids, sequences, stream)
 
     def submit(self, prepared: PreparedRequest) -> None:
@@ -261,8 +269,7 @@ class EngineCore:
         if (prepared.request_id in self.scheduler.requests
                 or self.output_processor.sequence_ids(prepared.request_id)):
             raise ValueError(f"request_id {prepared.request_id!r} is already in use")
-        for seq in prepared.sequences:  # the first raises if the prompt can never run
-            self.scheduler.add_request(seq)
+        self.scheduler.add_request(prepared.sequences[0], prepared.sequences[1:])
         self.output_processor.add(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
                                   prepared.sequences, prepared.stream)
 
@@ -283,11 +290,13 @@ class EngineCore:
         """Run one iteration; returns the outputs of streamed requests that got
         tokens and of requests that finished. ``last_step`` describes the step."""
         start = time.perf_counter()
+        kv = self.kv_cache
+        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         out = self.scheduler.schedule()
-        self.runner.swap(out)
+        self.runner.move_blocks(out)
         if not out.requests:
             self.last_step = StepStats(num_waiting=self.scheduler.num_waiting,
-                                       kv_cache_usage=self.kv_cache.usage)
+                                       kv_cache_usage=kv.usage)
             self._record_finished(self.last_step, out.expired)
             return self.output_processor.process([], {}, out.expired)
         prompt_tokens = sum(min(n, max(0, r.num_prompt_tokens - r.num_computed_tokens))
@@ -308,7 +317,9 @@ class EngineCore:
             num_preempted=len(out.preempted_request_ids),
             seconds=time.perf_counter() - start,
             request_ids=live_ids, padding_ids=padding_ids,
-            kv_cache_usage=self.kv_cache.usage, generation_tokens=len(updated))
+            kv_cache_usage=kv.usage, generation_tokens=len(updated),
+            prefix_cache_queries=kv.prefix_cache_queries - queries,
+            prefix_cache_hits=kv.prefix_cache_hits - hits)
         for seq in updated:
             previous = last_token_times[seq.request_id]
             if previous is None:
@@ -326,6 +337,10 @@ class EngineCore:
         for seq in finished:
             stats.finished.append((seq.finish_reason.value, seq.finished_time - seq.arrival_time,
                                    seq.num_prompt_tokens, seq.num_output_tokens))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached KV blocks; returns how many were forgotten."""
+        return self.kv_cache.reset_prefix_cache()
 
     def abort_waiting_older_than(self, seconds: float, now: float | None = None) -> list[str]:
         """Abort the requests that have waited longer than ``seconds`` without

@@ -49,9 +49,11 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Prompt tokens whose KV came from the prefix cache (of the first sample).
+    num_cached_tokens: int = 0
     # Once finished: what happened to the request, in time order, as
     # (time, event, detail, sample index); events are queued, scheduled,
-    # chunked, preempted, resumed and finished.
+    # forked, chunked, preempted, resumed and finished.
     history: list[tuple[float, str, str, int]] | None = None
 
     @property
@@ -249,6 +251,7 @@ class OutputProcessor:
             first_token_time=min((t for s in seqs if (t := s.first_token_time)), default=None),
             finished_time=max(s.finished_time for s in seqs) if finished else None,
             num_preemptions=sum(s.num_preemptions for s in seqs),
+            num_cached_tokens=seqs[0].num_cached_tokens,
             history=sorted((t, event, detail, i) for i, s in enumerate(seqs)
                            for event, t, detail in s.history) if finished else None)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,

@@ -161,6 +161,12 @@ def build_app(engine: AsyncEngine, *, model_name: str, metrics: EngineMetrics,
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """Admin: forget every cached KV block (requests in flight keep theirs)."""
+        forgotten = await engine.reset_prefix_cache()
+        return JSONResponse({"status": "ok", "forgotten_blocks": forgotten})
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> p.TokenizeResponse:
         req = await parse(request, p.TokenizeRequest)

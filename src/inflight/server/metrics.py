@@ -40,6 +40,10 @@ class EngineMetrics:
         self.preemptions = counter("inflight:num_preemptions", "Preemptions since start.")
         self.prompt_tokens = counter("inflight:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("inflight:generation_tokens", "Tokens generated.")
+        self.prefix_queries = counter("inflight:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("inflight:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache (not recomputed).")
         self.finished = Counter("inflight:request_success", "Finished requests, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.model_name = model_name
@@ -69,6 +73,9 @@ class EngineMetrics:
             self.preemptions.inc(stats.num_preempted)
         if stats.generation_tokens:
             self.generation_tokens.inc(stats.generation_tokens)
+        if stats.prefix_cache_queries:
+            self.prefix_queries.inc(stats.prefix_cache_queries)
+            self.prefix_hits.inc(stats.prefix_cache_hits)
         for ttft, queued, prompt_tokens in stats.first_tokens:
             self.ttft.observe(ttft)
             self.queue_time.observe(queued)

@@ -86,7 +86,7 @@ class _Choice:
 def scheduling(req: p.CompletionRequest | p.ChatCompletionRequest) -> dict[str, Any]:
     """The request's scheduling options; ``user`` is the tenant."""
     return {"priority": req.priority, "tenant": req.user, "deadline_ms": req.deadline_ms,
-            "expected_output_tokens": req.expected_output_tokens}
+            "expected_output_tokens": req.expected_output_tokens, "cache_salt": req.cache_salt}
 
 
 async def _merged(engine: AsyncEngine, prompts: list[Any], params: SamplingParams,
@@ -139,6 +139,7 @@ def _history(outputs: list[RequestOutput]) -> dict[str, Any]:
         "first_token_time": o.metrics.first_token_time,
         "finished_time": o.metrics.finished_time,
         "num_preemptions": o.metrics.num_preemptions,
+        "num_cached_tokens": o.metrics.num_cached_tokens,
         "history": [{"time": t, "event": event, "detail": detail, "sample": i}
                     for t, event, detail, i in o.metrics.history or ()],
     } for o in outputs]}
@@ -197,6 +198,7 @@ class OpenAIServing:
         created = p.now()
         choices: dict[tuple[int, int], _Choice] = {}
         finals: dict[int, RequestOutput] = {}
+        usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
         async with aclosing(_merged(self.engine, prompts, params, request_id, scheduling(req))) as it:
             async for i, out in it:
                 parts = []
@@ -216,11 +218,15 @@ class OpenAIServing:
                                                     finish_reason=c.finish_reason))
                 if out.finished:
                     finals[i] = out
-                if parts:
+                # The history goes with the last chunk: this one, unless usage follows.
+                last = out.finished and len(finals) == len(prompts) and not usage_chunk
+                if parts or last:
+                    history = _history([finals[k] for k in sorted(finals)]) if last else None
                     yield _sse(p.CompletionChunk(id=request_id, created=created,
-                                                 model=self.model_name, choices=parts))
+                                                 model=self.model_name, choices=parts,
+                                                 inflight=history))
         outputs = [finals[i] for i in sorted(finals)]
-        if req.stream_options and req.stream_options.include_usage:
+        if usage_chunk:
             yield _sse(p.CompletionChunk(id=request_id, created=created, model=self.model_name,
                                          choices=[], usage=_usage(outputs),
                                          inflight=_history(outputs)))
@@ -291,6 +297,7 @@ class OpenAIServing:
         created = p.now()
         states = [_Choice(i) for i in range(req.n)]
         final = None
+        usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices: list[p.ChatStreamChoice], **extra: Any) -> str:
             return _sse(p.ChatCompletionChunk(id=request_id, created=created,
@@ -316,9 +323,11 @@ class OpenAIServing:
                     parts.append(p.ChatStreamChoice(index=c.index, delta=p.ChatDelta(content=delta),
                                                     logprobs=logprobs,
                                                     finish_reason=c.finish_reason))
-                if parts:
-                    yield chunk(parts)
-        if req.stream_options and req.stream_options.include_usage and final is not None:
+                # The history goes with the last chunk: this one, unless usage follows.
+                last = out.finished and not usage_chunk
+                if parts or last:
+                    yield chunk(parts, inflight=_history([out]) if last else None)
+        if usage_chunk and final is not None:
             yield chunk([], usage=_usage([final]), inflight=_history([final]))
         yield "data: [DONE]\n\n"
 
@@ -341,8 +350,10 @@ def _token_fields(lp: Logprob) -> dict[str, Any]:
 def _usage(outputs: list[RequestOutput]) -> p.Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.metrics.num_cached_tokens for o in outputs)
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion,
-                   total_tokens=prompt + completion)
+                   total_tokens=prompt + completion,
+                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
 
 
 def _sse(chunk: Any) -> str:

@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Requests accept OpenAI's fields plus documented extensions (``priority``,
-``ignore_eos``, ``min_tokens``, ``top_k``, ``min_p``, ``repetition_penalty``);
+``deadline_ms``, ``expected_output_tokens``, ``cache_salt``, ``ignore_eos``,
+``min_tokens``, ``top_k``, ``min_p``, ``repetition_penalty``);
 unknown fields are refused, as OpenAI does, rather than silently ignored.
 """
 
@@ -47,6 +48,7 @@ class _SamplingFields(_Strict):
     priority: StrictInt = 0
     deadline_ms: Number | None = Field(default=None, gt=0)
     expected_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(default=0, ge=0)
     top_k: StrictInt | None = None
@@ -115,10 +117,15 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # found in the prefix cache, not recomputed
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorInfo(BaseModel):

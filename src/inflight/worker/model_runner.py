@@ -118,10 +118,17 @@ class ModelRunner:
         return rows
 
     @torch.inference_mode()
-    def swap(self, out: SchedulerOutput) -> None:
-        """Copy swapped-out blocks to host memory, then swapped-in blocks back (in
-        that order: a block freed by one may be reused by the other). Runs before
-        ``execute``, even for a step that computes nothing."""
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        """Copy-on-write copies between device blocks, then swapped-out blocks to
+        host memory, then swapped-in blocks back (in that order: a block freed by
+        one may be reused by the next). Runs before ``execute``, even for a step
+        that computes nothing."""
+        if out.copy_blocks:
+            src, dst = (torch.tensor(ids, dtype=torch.long, device=self.device)
+                        for ids in zip(*out.copy_blocks))
+            for layer_kv in self.kv_caches:
+                for cache in layer_kv:
+                    cache.index_copy_(1, dst, cache.index_select(1, src))
         for pairs, to_host in ((out.swap_out, True), (out.swap_in, False)):
             if not pairs:
                 continue
