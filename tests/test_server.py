@@ -160,6 +160,9 @@ def test_prefix_cache_over_http(server, client, model):
     assert server.metric("inflight:prefix_cache_hits_total") - hits == second
     assert server.metric("inflight:prefix_cache_queries_total") > 0
     assert cached("other tenant") == 0
+    assert server.wait_idle()  # idle: cached blocks are free blocks, the usage gauge says 0
+    assert server.engine.core.kv_cache.num_cached_blocks > 0
+    assert server.metric("inflight:kv_cache_usage_perc") == 0
     reset = httpx.post(f"{server.url}/reset_prefix_cache")
     assert reset.status_code == 200 and reset.json()["forgotten_blocks"] > 0
     assert cached() == 0
