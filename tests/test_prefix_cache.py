@@ -204,7 +204,7 @@ def test_aborting_a_pending_fork_and_its_parent():
     parent = make_request("r", list(range(10)), 3)
     forks = [make_request(f"r#{i}", list(range(10)), 3) for i in (1, 2)]
     sched.add_request(parent, forks)
-    with pytest.raises(ValueError, match="n \\(9\\) exceeds max_num_seqs"):
+    with pytest.raises(ValueError, match="n or best_of \\(9\\) exceeds max_num_seqs"):
         sched.add_request(make_request("big", [1], 1),
                           [make_request(f"big#{i}", [1], 1) for i in range(8)])
     sched.finish_requests(["r#1"], FinishReason.ABORT)

@@ -111,3 +111,21 @@ def test_cache_salt_isolates_and_the_cache_can_be_reset(tiny_model):
     assert hits_of("alice") == 0
     with pytest.raises(ValueError, match="cache_salt"):
         engine.add_request({"prompt_token_ids": prompt}, params, cache_salt=7)
+
+
+def test_best_of_returns_the_most_likely_samples(tiny_model):
+    path = str(tiny_model("llama-gqa"))
+    llm = LLM(path, dtype="float64", kv_cache_memory="16MiB")
+    prompt = {"prompt_token_ids": list(range(5, 40))}
+    best = llm.generate(prompt, SamplingParams(n=2, best_of=5, temperature=1.0, seed=3,
+                                               max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    alone = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=3 + i, max_tokens=8,
+                                                 ignore_eos=True, logprobs=0),
+                          use_tqdm=False)[0].outputs[0] for i in range(5)]
+    ranked = sorted(alone, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked]
+    assert [c.index for c in best.outputs] == [0, 1] and best.outputs[0].logprobs is None
+    assert best.outputs[0].cumulative_logprob == pytest.approx(ranked[0].cumulative_logprob)
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks

@@ -461,3 +461,15 @@ def test_sigterm_lets_in_flight_requests_finish(default_llm, tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_best_of(server, client, model):
+    out = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, n=1,
+                                    best_of=3, temperature=1.0, seed=5)
+    assert len(out.choices) == 1 and out.usage.completion_tokens == 6
+    r = httpx.post(f"{server.url}/v1/completions",
+                   json={"prompt": "Hi", "best_of": 3, "stream": True, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "best_of": 1, "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+    assert server.wait_idle()

@@ -112,13 +112,14 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
     width = max(12, *(len(r.label) + 2 for r in results))
     print(f"{'run':<{width}}{'seqs':>5}{'req/s':>8}{'out tok/s':>11}{'total tok/s':>13}"
           f"{'occupancy':>11}{'idle slot-steps':>17}{'(padded)':>10}{'steps':>7}{'wall s':>8}"
-          f"{'preempt':>9}{'TTFT s':>8}{'prefix hit':>12}")
+          f"{'preempt':>9}{'computed tok':>14}{'TTFT s':>8}{'prefix hit':>12}")
     for r in results:
         hit = "-" if r.prefix_cache_hit_rate is None else f"{100 * r.prefix_cache_hit_rate:.1f}%"
         print(f"{r.label:<{width}}{r.max_num_seqs:>5}{r.requests_per_second:>8.2f}"
               f"{r.output_tokens_per_second:>11.1f}{r.total_tokens_per_second:>13.1f}"
               f"{100 * r.mean_occupancy:>10.1f}%{r.idle_slot_steps:>17}{r.padded_slot_steps:>10}"
-              f"{r.steps:>7}{r.wall_seconds:>8.1f}{r.preemptions:>9}{r.mean_ttft_seconds:>8.2f}"
+              f"{r.steps:>7}{r.wall_seconds:>8.1f}{r.preemptions:>9}{r.computed_tokens or '-':>14}"
+              f"{r.mean_ttft_seconds:>8.2f}"
               f"{hit:>12}")
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": _machine(),

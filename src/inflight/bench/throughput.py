@@ -31,6 +31,9 @@ class ThroughputResult:
     idle_slot_steps: int         # sum over steps of (max_num_seqs - live requests), padding included
     padded_slot_steps: int = 0   # of which slots computed as padding (static batching)
     preemptions: int = 0
+    # Tokens the model computed: prompt and output tokens, less prefix-cache
+    # hits, plus whatever preemption by recompute computed again.
+    computed_tokens: int = 0
     mean_ttft_seconds: float = 0.0  # arrival (all at the start, or a turn's send) to first token
     prefix_cache_hit_rate: float | None = None  # prompt tokens found cached / looked up
     profile_ms_per_step: dict[str, float] | None = None
@@ -88,7 +91,7 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
 
     pending = {submit(i, []) for i, r in enumerate(requests) if r.follows is None}
     ttfts: list[float] = []
-    prompt_tokens = output_tokens = steps = idle = padded = 0
+    prompt_tokens = output_tokens = steps = idle = padded = computed = 0
     occupancy: list[int] = []
     batches: list[list[str]] = []
     padding: list[list[str]] = []
@@ -107,6 +110,7 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
                 for i in followers.get(int(out.request_id[1:]), ()):
                     pending.add(submit(i, history))
         stats = engine.last_step
+        computed += stats.num_tokens
         if stats.num_requests or stats.num_padding:
             steps += 1
             idle += slots - stats.num_requests
@@ -122,7 +126,7 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
         steps=steps, mean_occupancy=sum(occupancy) / max(1, steps) / slots,
         idle_slot_steps=idle, padded_slot_steps=padded,
         preemptions=engine.scheduler.stats.num_preemptions - preemptions_before,
-        mean_ttft_seconds=sum(ttfts) / max(1, len(ttfts)),
+        computed_tokens=computed, mean_ttft_seconds=sum(ttfts) / max(1, len(ttfts)),
         prefix_cache_hit_rate=((kv.prefix_cache_hits - hits) / (kv.prefix_cache_queries - queries)
                                if kv.prefix_cache_queries > queries else None),
         profile_ms_per_step=profiler.report() if profiler else None,

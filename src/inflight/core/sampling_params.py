@@ -32,10 +32,13 @@ class SamplingParams:
     ``top_k`` of 0 or -1, ``top_p`` of 1 and ``min_p`` of 0 disable those filters;
     ``temperature`` 0 means greedy. ``max_tokens=None`` generates up to the
     context limit. ``stop`` strings are cut from the returned text unless
-    ``include_stop_str_in_output`` is set.
+    ``include_stop_str_in_output`` is set. ``best_of`` > ``n`` generates
+    ``best_of`` samples and returns the ``n`` with the highest cumulative
+    log-probability (so only once they are all finished, never streamed).
     """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -70,12 +73,19 @@ class SamplingParams:
         self._normalize_and_validate()
 
     @property
+    def num_samples(self) -> int:
+        """Sequences to generate: ``best_of`` if set, else ``n``."""
+        return self.best_of or self.n
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
 
     def _normalize_and_validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             if not _is_number(getattr(self, name)):

@@ -129,7 +129,8 @@ class Scheduler:
             raise ValueError(f"prompt has {request.num_prompt_tokens} tokens, more than "
                              f"max_model_len={self.max_model_len}")
         if 1 + len(forks) > self.max_num_seqs:
-            raise ValueError(f"n ({1 + len(forks)}) exceeds max_num_seqs={self.max_num_seqs}")
+            raise ValueError(f"n or best_of ({1 + len(forks)}) exceeds max_num_seqs="
+                             f"{self.max_num_seqs}")
         self.requests[request.request_id] = request
         for fork in forks:
             fork.fork_parent = request

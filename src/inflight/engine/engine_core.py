@@ -47,6 +47,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     sequences: list[Request]
     stream: bool
+    params: SamplingParams
 
 
 @dataclass
@@ -252,17 +253,21 @@ class EngineCore:
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         arrival = time.time() if arrival_time is None else arrival_time
         deadline = None if deadline_ms is None else arrival + deadline_ms / 1000
+        count = params.num_samples
+        ranked = count > params.n  # best_of: each sample's log-probabilities are needed
         sequences = []
-        for i in range(params.n):
+        for i in range(count):
             seq_params = params
-            if params.n > 1:
-                seq_params = SamplingParams(**{**vars(params), "n": 1, "seed": None if params.seed is None
-                                               else params.seed + i})
-            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            if count > 1:
+                seq_params = SamplingParams(**{
+                    **vars(params), "n": 1, "best_of": None,
+                    "seed": None if params.seed is None else params.seed + i,
+                    "logprobs": 0 if ranked and params.logprobs is None else params.logprobs})
+            seq_id = request_id if count == 1 else f"{request_id}#{i}"
             sequences.append(Request(seq_id, ids, seq_params, max_tokens, self.eos_token_ids,
                                      arrival, priority, tenant, deadline,
                                      expected_output_tokens, cache_salt))
-        return PreparedRequest(request_id, text, ids, sequences, stream)
+        return PreparedRequest(request_id, text, ids, sequences, stream, params)
 
     def submit(self, prepared: PreparedRequest) -> None:
         """Queue a prepared request; ValueError if its id is in use."""
@@ -271,7 +276,7 @@ class EngineCore:
             raise ValueError(f"request_id {prepared.request_id!r} is already in use")
         self.scheduler.add_request(prepared.sequences[0], prepared.sequences[1:])
         self.output_processor.add(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
-                                  prepared.sequences, prepared.stream)
+                                  prepared.sequences, prepared.stream, prepared.params)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Cancel requests; their KV blocks return to the pool now."""

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inflight.core.request import Request
+from inflight.core.sampling_params import SamplingParams
 from inflight.model.tokenizer import Tokenizer
 from inflight.worker.sampler import TokenLogprobs
 
@@ -128,7 +129,6 @@ class SequenceDetokenizer:
 
 @dataclass
 class _Sample:
-    index: int
     request: Request
     detokenizer: SequenceDetokenizer
     logprobs: list[dict[int, Logprob]] | None
@@ -137,13 +137,21 @@ class _Sample:
 
 @dataclass
 class _Group:
-    """A caller's request: ``n`` samples over one prompt."""
+    """A caller's request: its samples over one prompt, of which the best
+    ``num_returned`` (by cumulative log-probability) are returned when there
+    are more (``best_of``)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     stream: bool
+    num_returned: int
+    return_logprobs: bool
     samples: list[_Sample] = field(default_factory=list)
+
+    @property
+    def ranked(self) -> bool:
+        return len(self.samples) > self.num_returned
 
 
 class OutputProcessor:
@@ -161,11 +169,14 @@ class OutputProcessor:
         self._sample_of: dict[str, tuple[_Group, _Sample]] = {}  # by sequence request id
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            sequences: list[Request], stream: bool) -> None:
-        group = _Group(request_id, prompt, prompt_token_ids, stream)
-        for index, seq in enumerate(sequences):
+            sequences: list[Request], stream: bool, params: SamplingParams) -> None:
+        """Follow a request's sequences; a ``best_of`` request reports only once
+        finished, even when ``stream``."""
+        group = _Group(request_id, prompt, prompt_token_ids, stream, params.n,
+                       params.logprobs is not None)
+        for seq in sequences:
             want = seq.sampling_params.logprobs is not None
-            sample = _Sample(index, seq, SequenceDetokenizer(self.tokenizer, seq, stream),
+            sample = _Sample(seq, SequenceDetokenizer(self.tokenizer, seq, stream),
                              [] if want else None, 0.0 if want else None)
             group.samples.append(sample)
             self._sample_of[seq.request_id] = (group, sample)
@@ -215,7 +226,7 @@ class OutputProcessor:
         outputs = []
         for group in touched.values():
             finished = all(s.request.is_finished for s in group.samples)
-            if finished or group.stream:
+            if finished or (group.stream and not group.ranked):
                 outputs.append(self._output(group, finished))
                 if finished:
                     self.remove(group.request_id)
@@ -233,14 +244,17 @@ class OutputProcessor:
     @staticmethod
     def _output(group: _Group, finished: bool) -> RequestOutput:
         completions = []
-        for sample in group.samples:
+        samples = group.samples
+        if group.ranked:
+            samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[:group.num_returned]
+        for index, sample in enumerate(samples):
             seq = sample.request
             completions.append(CompletionOutput(
-                index=sample.index,
+                index=index,
                 text=sample.detokenizer.visible_text(seq.is_finished),
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=sample.cumulative_logprob,
-                logprobs=sample.logprobs,
+                logprobs=sample.logprobs if group.return_logprobs else None,
                 finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
                 stop_reason=seq.stop_reason))
         seqs = [s.request for s in group.samples]

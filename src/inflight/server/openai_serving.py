@@ -40,11 +40,11 @@ def check_text(value: Any, param: str = "body") -> None:
 
 
 def sampling_params(req: p.CompletionRequest | p.ChatCompletionRequest, *, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, best_of: int | None = None) -> SamplingParams:
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported", "logit_bias")
     options: dict[str, Any] = dict(
-        n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=logprobs,
+        n=req.n, best_of=best_of, max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=logprobs,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens)
@@ -155,8 +155,8 @@ class OpenAIServing:
     def completion_inputs(self, req: p.CompletionRequest) -> tuple[list[Any], SamplingParams]:
         if req.suffix:
             raise InvalidRequest("suffix is not supported", "suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise InvalidRequest("best_of other than n is not supported", "best_of")
+        if req.stream and req.best_of is not None and req.best_of > req.n:
+            raise InvalidRequest("best_of greater than n cannot be streamed", "best_of")
         if req.echo and req.logprobs is not None:
             raise InvalidRequest("echo with logprobs is not supported", "echo")
         prompt = req.prompt
@@ -171,7 +171,8 @@ class OpenAIServing:
         if not prompts:
             raise InvalidRequest("prompt must not be empty", "prompt")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        return prompts, sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+        return prompts, sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                        best_of=req.best_of)
 
     async def completion(self, req: p.CompletionRequest, request_id: str) -> p.CompletionResponse:
         prompts, params = self.completion_inputs(req)

@@ -63,7 +63,7 @@ class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
-    best_of: StrictInt | None = None
+    best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
     suffix: StrictStr | None = None
 
 
