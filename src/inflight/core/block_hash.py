@@ -24,11 +24,11 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None 
     return h.digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
-                        salt: str | None = None) -> list[bytes]:
-    """Append to ``hashes`` the hashes of the full blocks of ``token_ids`` it does
-    not cover yet; returns ``hashes``."""
-    for i in range(len(hashes), len(token_ids) // block_size):
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], num_tokens: int,
+                        block_size: int, salt: str | None = None) -> list[bytes]:
+    """Append to ``hashes`` the hashes of the full blocks among the first
+    ``num_tokens`` of ``token_ids`` it does not cover yet; returns ``hashes``."""
+    for i in range(len(hashes), num_tokens // block_size):
         parent = hashes[i - 1] if i else None
         hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], salt))
     return hashes

@@ -135,7 +135,7 @@ class KVCacheManager:
         self._num_hashed[rid] = full
 
     def _hashes(self, request: Request, num_tokens: int) -> list[bytes]:
-        return extend_block_hashes(request.block_hashes, request.all_token_ids[:num_tokens],
+        return extend_block_hashes(request.block_hashes, request.all_token_ids, num_tokens,
                                    self.block_size, request.cache_salt)
 
     def reset_prefix_cache(self) -> int:
@@ -159,19 +159,24 @@ class KVCacheManager:
         nothing, if the free pool is too small.
         """
         table = self._tables.get(request_id)
-        have = len(cached_blocks) if table is None else len(table)
-        need = cdiv(num_tokens, self.block_size) - have
-        reviving = sum(self._ref_counts[b] == 0 for b in cached_blocks)
-        if need > self.num_free_blocks - reviving:
-            return None
-        if table is None:
+        if table is not None:  # a running request growing: the hot path
+            need = cdiv(num_tokens, self.block_size) - len(table)
+            if need <= 0:
+                return []
+            if need > len(self._free) + len(self._evictable):
+                return None
+        else:
+            need = cdiv(num_tokens, self.block_size) - len(cached_blocks)
+            reviving = sum(self._ref_counts[b] == 0 for b in cached_blocks)
+            if need > self.num_free_blocks - reviving:
+                return None
             table = self._tables[request_id] = []
             for block in cached_blocks:
                 self._take(block)
             table.extend(cached_blocks)
             self._num_hashed[request_id] = len(cached_blocks)
-        if need <= 0:
-            return []
+            if need <= 0:
+                return []
         new = [self._pop_free() for _ in range(need)]
         table.extend(new)
         return new

@@ -78,6 +78,9 @@ class SchedulingPolicy(ABC):
         """Smaller ranks go first. Policies that do not rank return 0."""
         return 0.0
 
+    # Whether on_tokens does anything (the scheduler skips the call otherwise).
+    counts_tokens = False
+
     def on_tokens(self, request: Request, prompt_tokens: int, output_tokens: int) -> None:
         """Tokens of the request were computed (fair-share accounting)."""
 
@@ -205,6 +208,7 @@ class FairSharePolicy(SchedulingPolicy):
 
     PROMPT_WEIGHT = 1.0
     OUTPUT_WEIGHT = 2.0
+    counts_tokens = True
 
     def __init__(self) -> None:
         self._queues: dict[str | None, deque[Request]] = {}

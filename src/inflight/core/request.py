@@ -127,12 +127,13 @@ class Request:
     def check_stop(self, max_model_len: int) -> FinishReason | None:
         """The token-level stop check after a token was appended (stop strings are
         the detokenizer's job)."""
-        last = self.all_token_ids[-1]
-        if self.num_output_tokens >= self.sampling_params.min_tokens and last in self.stop_token_ids:
+        tokens = self.all_token_ids
+        last, num_output = tokens[-1], len(tokens) - self.num_prompt_tokens
+        if num_output >= self.sampling_params.min_tokens and last in self.stop_token_ids:
             if last not in self.eos_token_ids:
                 self.stop_reason = last
             return FinishReason.STOP
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= self.max_tokens or len(tokens) >= max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -175,6 +175,7 @@ class Scheduler:
 
         i = 0
         deferred: list[Request] = []  # prompt chunks that give way to an outranking arrival
+        kv, block_size = self.kv_cache, self.kv_cache.block_size
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             pending = request.num_tokens - request.num_computed_tokens
@@ -183,9 +184,12 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(pending, budget)
+            end = request.num_computed_tokens + num_new
+            table = kv.block_ids(request.request_id)
             preempted_self = False
-            while (self.kv_cache.allocate_slots(
-                    request.request_id, request.num_computed_tokens + num_new)) is None:
+            # (Most decodes still fit in their last block: no allocation at all.)
+            while end > len(table) * block_size and kv.allocate_slots(request.request_id,
+                                                                      end) is None:
                 victim = self.policy.pick_victim(self.running)
                 if self.running.index(victim) < i:  # scheduled this step already: take it back
                     budget += self._unschedule(out, victim)
@@ -197,7 +201,9 @@ class Scheduler:
             if preempted_self:
                 break  # nothing else can fit this step
             chunked |= num_new < pending
-            self._add_to_output(out, request, num_new)
+            out.requests.append(request)
+            out.num_new_tokens.append(num_new)
+            out.block_ids.append(kv.block_ids(request.request_id))
             budget -= num_new
             i += 1
 
@@ -230,10 +236,10 @@ class Scheduler:
         if out.requests:
             self.stats.num_steps += 1
             self.stats.num_chunked_steps += chunked
-            for request, n in zip(out.requests, out.num_new_tokens):
-                if n < request.num_tokens - request.num_computed_tokens:
-                    request.record("chunked", now, f"{n} of {request.num_tokens - request.num_computed_tokens} "
-                                   "pending tokens")
+            for request, n in zip(out.requests, out.num_new_tokens) if chunked else ():
+                pending = request.num_tokens - request.num_computed_tokens
+                if n < pending:
+                    request.record("chunked", now, f"{n} of {pending} pending tokens")
         return out
 
     def _outranked_by_waiting(self, request: Request) -> bool:
@@ -264,6 +270,9 @@ class Scheduler:
             if self._tenant_at_limit(request.tenant):
                 deferred.append(self.policy.pop())
                 continue
+            if (len(self.running) + 1 + len(request.pending_forks) > self.max_num_seqs
+                    and not self.preempt_for_priority):
+                break  # no sequence slot (the cheap check first)
             swapped = request.status is RequestStatus.SWAPPED
             cached = [] if swapped else self.kv_cache.find_cached_prefix(request)
             start = request.num_computed_tokens if swapped else len(cached) * self.kv_cache.block_size
@@ -392,13 +401,16 @@ class Scheduler:
         Returns the requests that received a token, finished ones included."""
         now = time.time()
         updated = []
+        counts_tokens = self.policy.counts_tokens
+        caching, block_size = self.kv_cache.enable_caching, self.kv_cache.block_size
         for request, num_new, token in zip(out.requests, out.num_new_tokens, sampled_token_ids):
-            if not request.padding:
-                prompt_part = min(num_new, max(0, request.num_prompt_tokens
-                                                - request.num_computed_tokens))
+            start = request.num_computed_tokens
+            if counts_tokens and not request.padding:
+                prompt_part = min(num_new, max(0, request.num_prompt_tokens - start))
                 self.policy.on_tokens(request, prompt_part, num_new - prompt_part)
-            request.num_computed_tokens += num_new
-            self.kv_cache.cache_blocks(request)
+            request.num_computed_tokens = start + num_new
+            if caching and (start + num_new) // block_size > start // block_size:
+                self.kv_cache.cache_blocks(request)  # a block was filled
             if request.pending_forks and request.num_computed_tokens >= request.num_prompt_tokens:
                 self._fork(request, now)
             if token is None:
