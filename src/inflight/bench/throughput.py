@@ -82,12 +82,16 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
         if r.follows is not None:
             followers.setdefault(r.follows, []).append(i)
 
+    index_of: dict[str, int] = {}  # request id -> index in ``requests``
+
     def submit(i: int, history: list[int]) -> str:
         r = requests[i]
         prompt = ({"prompt_token_ids": history + r.prompt_token_ids} if r.follows is not None
                   else r.as_prompt())
-        return engine.add_request(prompt, SamplingParams(
-            temperature=0, max_tokens=r.max_tokens, ignore_eos=ignore_eos), request_id=f"b{i}")
+        rid = engine.add_request(prompt, SamplingParams(
+            temperature=0, max_tokens=r.max_tokens, ignore_eos=ignore_eos))
+        index_of[rid] = i
+        return rid
 
     pending = {submit(i, []) for i, r in enumerate(requests) if r.follows is None}
     ttfts: list[float] = []
@@ -107,7 +111,7 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
                 if out.metrics.first_token_time is not None:
                     ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
                 history = out.prompt_token_ids + out.outputs[0].token_ids
-                for i in followers.get(int(out.request_id[1:]), ()):
+                for i in followers.get(index_of[out.request_id], ()):
                     pending.add(submit(i, history))
         stats = engine.last_step
         computed += stats.num_tokens

@@ -270,9 +270,9 @@ class Scheduler:
             if self._tenant_at_limit(request.tenant):
                 deferred.append(self.policy.pop())
                 continue
-            if (len(self.running) + 1 + len(request.pending_forks) > self.max_num_seqs
-                    and not self.preempt_for_priority):
-                break  # no sequence slot (the cheap check first)
+            no_slot = self._num_seq_slots() + 1 + len(request.pending_forks) > self.max_num_seqs
+            if no_slot and not self.preempt_for_priority:
+                break  # before the prefix-cache look-up, which would be wasted
             swapped = request.status is RequestStatus.SWAPPED
             cached = [] if swapped else self.kv_cache.find_cached_prefix(request)
             start = request.num_computed_tokens if swapped else len(cached) * self.kv_cache.block_size
@@ -281,8 +281,7 @@ class Scheduler:
                 budget_bound = True
                 break
             num_new = min(pending, budget)
-            if (self._num_seq_slots() + 1 + len(request.pending_forks) > self.max_num_seqs
-                    or not self._claim_blocks(out, request, start + num_new, cached)):
+            if no_slot or not self._claim_blocks(out, request, start + num_new, cached):
                 freed = self._displace_for(out, request, admitted, now)
                 if freed is None:
                     break
