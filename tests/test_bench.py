@@ -11,7 +11,7 @@ from inflight.bench.throughput import run_engine, run_hf_generate
 from inflight.bench.workloads import BenchRequest, from_file, synthetic
 from inflight.cli import main
 from inflight.config import EngineConfig
-from inflight.engine.engine_core import EngineCore
+from inflight.engine.factory import build_engine_core
 
 
 def test_synthetic_workloads_follow_their_recipes():
@@ -58,7 +58,7 @@ def tiny_requests():
 def test_static_runs_pad_and_continuous_runs_refill(tiny_model, tiny_requests):
     results = {}
     for mode in ("continuous", "static"):
-        engine = EngineCore(EngineConfig(str(tiny_model("llama-gqa")), scheduling=mode,
+        engine = build_engine_core(EngineConfig(str(tiny_model("llama-gqa")), scheduling=mode,
                                          max_num_seqs=4, kv_cache_memory="16MiB"))
         results[mode] = run_engine(engine, tiny_requests, label=mode, ignore_eos=True,
                                    profile=True, record_batches=True)
@@ -74,7 +74,7 @@ def test_static_runs_pad_and_continuous_runs_refill(tiny_model, tiny_requests):
 
 
 def test_model_stub_runs_without_a_model(tiny_model, tiny_requests):
-    engine = EngineCore(EngineConfig(str(tiny_model("llama-gqa")), max_num_seqs=8,
+    engine = build_engine_core(EngineConfig(str(tiny_model("llama-gqa")), max_num_seqs=8,
                                      kv_cache_memory="16MiB"), model_stub=True)
     result = run_engine(engine, tiny_requests, label="stub", ignore_eos=True, profile=True)
     assert result.output_tokens == sum(r.max_tokens for r in tiny_requests)
@@ -125,7 +125,7 @@ def test_shared_prefix_and_multi_turn_workloads_hit_the_cache(tiny_model):
     for cache in (True, False):
         # A budget that admits one shared-prefix prompt per step: prompts admitted
         # in the same step cannot reuse each other's blocks, not computed yet.
-        engine = EngineCore(EngineConfig(path, kv_cache_memory="16MiB", max_num_batched_tokens=160,
+        engine = build_engine_core(EngineConfig(path, kv_cache_memory="16MiB", max_num_batched_tokens=160,
                                          enable_prefix_caching=cache))
         one = run_engine(engine, shared, label="shared", ignore_eos=True)
         conversation = run_engine(engine, turns, label="turns", ignore_eos=True)

@@ -70,13 +70,13 @@ def make_sched(policy: str, *, seqs: int = 1, blocks: int = 64, budget: int = 64
     config = PolicyConfig(**{k: options.pop(k) for k in ("priority_aging", "sjf_aging")
                              if k in options})
     return Scheduler(KVCacheManager(blocks, 4, options.pop("host_blocks", 0)),
-                     make_policy(policy, config), max_num_seqs=seqs,
+                     make_policy(policy, config), clock=lambda: 1000.0, max_num_seqs=seqs,
                      max_num_batched_tokens=budget, max_model_len=blocks * 4, **options)
 
 
 def step(sched: Scheduler):
     out = sched.schedule()
-    sampled = [TOKEN if r.num_computed_tokens + n == r.num_tokens else None
+    sampled = [[TOKEN] if r.num_computed_tokens + n == r.num_tokens else []
                for r, n in zip(out.requests, out.num_new_tokens)]
     sched.update_from_output(out, sampled)
     return out

@@ -5,8 +5,6 @@ and the fake worker catches it (no torch)."""
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,80 +13,15 @@ from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.policy import FCFSPolicy
 from inflight.core.request import FinishReason, Request, RequestStatus
 from inflight.core.sampling_params import SamplingParams
-from inflight.core.scheduler import Scheduler, SchedulerOutput
+from inflight.core.scheduler import Scheduler
 
-VOCAB = 50
+from fake_worker import VOCAB, FakeWorker, check_accounting, next_token
+
 EOS = VOCAB  # never sampled: requests end by length
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int, salt: str | None = None) -> Request:
     return Request(rid, prompt, SamplingParams(), max_tokens, frozenset({EOS}), cache_salt=salt)
-
-
-def next_token(tokens: list[int], sample: int) -> int:
-    """A deterministic 'model': the next token depends on every token before it
-    (and on which sample of a prompt this is)."""
-    return zlib.crc32(bytes(str((tokens, sample)), "ascii")) % VOCAB
-
-
-class FakeWorker:
-    """Holds (token, position) per device and host KV slot; checks every read
-    and write against the request's tokens."""
-
-    def __init__(self, kv: KVCacheManager) -> None:
-        self.kv = kv
-        self.device: dict[tuple[int, int], tuple[int, int]] = {}
-        self.host: dict[tuple[int, int], tuple[int, int]] = {}
-        self.computed_prompt_tokens = 0
-
-    def move_blocks(self, out: SchedulerOutput) -> None:
-        bs = self.kv.block_size
-        for src, dst in out.copy_blocks:
-            for o in range(bs):
-                self.device.pop((dst, o), None)
-                if (src, o) in self.device:
-                    self.device[dst, o] = self.device[src, o]
-        for pairs, a, b in ((out.swap_out, self.device, self.host),
-                            (out.swap_in, self.host, self.device)):
-            for src, dst in pairs:
-                for o in range(bs):
-                    b.pop((dst, o), None)
-                    if (src, o) in a:
-                        b[dst, o] = a[src, o]
-
-    def execute(self, out: SchedulerOutput) -> list[int | None]:
-        bs, kv = self.kv.block_size, self.kv
-        sampled: list[int | None] = []
-        for request, n in zip(out.requests, out.num_new_tokens):
-            table, start = kv.block_ids(request.request_id), request.num_computed_tokens
-            tokens = request.all_token_ids
-            for p in range(start):  # the context it attends to
-                assert self.device.get((table[p // bs], p % bs)) == (tokens[p], p), (
-                    f"{request.request_id} reads wrong KV at position {p}")
-            for p in range(start, start + n):
-                block = table[p // bs]
-                assert kv.ref_count(block) == 1, "a shared block is written"
-                assert kv.block_hash(block) is None, "a cached block is written"
-                self.device[block, p % bs] = (tokens[p], p)
-            self.computed_prompt_tokens += max(0, min(start + n, request.num_prompt_tokens) - start)
-            if start + n == request.num_tokens:
-                sample = int(request.request_id.partition("#")[2] or 0)
-                sampled.append(next_token(tokens, sample))
-            else:
-                sampled.append(None)
-        return sampled
-
-
-def check_accounting(kv: KVCacheManager) -> None:
-    tables = kv.owned_blocks()
-    holders: dict[int, int] = {}
-    for table in tables.values():
-        assert len(table) == len(set(table))
-        for block in table:
-            holders[block] = holders.get(block, 0) + 1
-    for block in range(kv.num_blocks):
-        assert kv.ref_count(block) == holders.get(block, 0)
-    assert len(holders) + kv.num_free_blocks == kv.num_blocks, "free + cached + held != all"
 
 
 def run(sched: Scheduler, requests: list[tuple[int, Request, list[Request]]],
@@ -113,7 +46,8 @@ def run(sched: Scheduler, requests: list[tuple[int, Request, list[Request]]],
 def make_scheduler(num_blocks=64, block_size=4, caching=True, budget=64, seqs=8,
                    preemption="recompute", host_blocks=0) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, host_blocks, enable_caching=caching)
-    return Scheduler(kv, FCFSPolicy(), max_num_seqs=seqs, max_num_batched_tokens=budget,
+    return Scheduler(kv, FCFSPolicy(), clock=lambda: 0.0, max_num_seqs=seqs,
+                     max_num_batched_tokens=budget,
                      max_model_len=num_blocks * block_size, preemption_mode=preemption)
 
 

@@ -11,6 +11,7 @@ from inflight.core.policy import FCFSPolicy
 from inflight.core.request import FinishReason, Request, RequestStatus
 from inflight.core.sampling_params import SamplingParams
 from inflight.core.scheduler import Scheduler
+from inflight.core.static_scheduler import StaticBatchScheduler
 
 EOS = 0
 TOKEN = 7
@@ -19,9 +20,10 @@ TOKEN = 7
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=None,
                    chunked=True, static=False) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size)
-    return Scheduler(kv, FCFSPolicy(), max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                     max_model_len=max_model_len or num_blocks * block_size,
-                     enable_chunked_prefill=chunked, static_batching=static)
+    cls = StaticBatchScheduler if static else Scheduler
+    return cls(kv, FCFSPolicy(), clock=lambda: 0.0, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=budget, max_model_len=max_model_len or num_blocks * block_size,
+               enable_chunked_prefill=chunked)
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int, **params) -> Request:
@@ -36,9 +38,9 @@ def fake_step(sched: Scheduler, eos_after: dict[str, int] | None = None):
     for req, n in zip(out.requests, out.num_new_tokens):
         if req.num_computed_tokens + n == req.num_tokens:
             done = eos_after is not None and req.num_output_tokens + 1 >= eos_after.get(req.request_id, 10**9)
-            sampled.append(EOS if done else TOKEN)
+            sampled.append([EOS if done else TOKEN])
         else:
-            sampled.append(None)
+            sampled.append([])
     sched.update_from_output(out, sampled)
     return out
 
@@ -257,9 +259,9 @@ def test_scheduler_invariants_under_random_load(num_blocks, block_size, max_num_
         for req, n in zip(out.requests, out.num_new_tokens):
             if req.num_computed_tokens + n == req.num_tokens:
                 eos = req.num_output_tokens + 1 >= eos_after.get(req.request_id, 10**9)
-                sampled.append(EOS if eos else TOKEN)
+                sampled.append([EOS if eos else TOKEN])
             else:
-                sampled.append(None)
+                sampled.append([])
         sched.update_from_output(out, sampled)
         step += 1
         assert step < 5000, "the scheduler stopped making progress"

@@ -473,3 +473,113 @@ def test_best_of(server, client, model):
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "best_of": 1, "n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
     assert server.wait_idle()
+
+
+# ---------------------------------------------------------- hardening (issue 10)
+NESTED = [b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+          b'{"prompt": "hi", "stop": ' + b"[" * 200 + b"]" * 200 + b"}",
+          b'{"messages": ' + b'{"a": ' * 3000 + b"1" + b"}" * 3000 + b"}"]
+
+
+@pytest.mark.parametrize("body", NESTED, ids=["list-5000", "list-200", "object-3000"])
+def test_deeply_nested_json_is_a_400(server, body):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = httpx.post(f"{server.url}{path}", content=body,
+                              headers={"Content-Type": "application/json"}, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and "nested" in error["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "The sea", "max_tokens": 10**12}, "max_tokens"),
+    ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "max_tokens": 10**12}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CAPITAL, "max_completion_tokens": 10**9},
+     "max_completion_tokens"),
+])
+def test_max_tokens_beyond_the_context_is_a_400_naming_the_limit(server, path, body, param):
+    limit = server.engine.model_info.max_model_len
+    for stream in (False, True):
+        response = httpx.post(f"{server.url}{path}", json={**body, "stream": stream}, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and str(limit) in error["message"]
+    assert server.wait_idle()
+
+
+def test_max_tokens_that_fits_and_omitted_max_tokens_still_run(server, model):
+    limit = server.engine.model_info.max_model_len
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "The sea"}).json()["count"]
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "prompt": "The sea", "max_tokens": limit - tokens, "stop": ["\n", "."]})
+    assert response.status_code == 200, response.text
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"prompt": "The sea"})  # 16 by default
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 16
+
+
+def test_gauges_drop_within_a_second_of_an_abort_on_an_idle_engine(server, model):
+    body = {"model": model, "prompt": "Write a very long story about the sea.",
+            "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    assert server.wait_idle()
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert server.metric("inflight:num_requests_running") == 1
+            assert server.metric("inflight:kv_cache_usage_perc") > 0
+    start = time.monotonic()
+    while time.monotonic() - start < 1.0:
+        if (server.metric("inflight:num_requests_running") == 0
+                and server.metric("inflight:kv_cache_usage_perc") == 0
+                and server.metric("inflight:num_requests_waiting") == 0):
+            break
+        time.sleep(0.05)
+    assert server.metric("inflight:num_requests_running") == 0
+    assert server.metric("inflight:kv_cache_usage_perc") == 0
+    assert server.metric("inflight:num_requests_waiting") == 0
+
+
+FAULT_SEED = 666
+
+
+@pytest.fixture
+def faulty_detokenizer(monkeypatch):
+    """Requests with seed FAULT_SEED break the detokenizer at their third token."""
+    from inflight.engine.output import SequenceDetokenizer
+
+    original = SequenceDetokenizer.add_token
+
+    def add_token(self, token_id, num_output_tokens):
+        if self.request.sampling_params.seed == FAULT_SEED and num_output_tokens >= 3:
+            raise RuntimeError("injected detokenizer fault")
+        return original(self, token_id, num_output_tokens)
+
+    monkeypatch.setattr(SequenceDetokenizer, "add_token", add_token)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failing_request_ends_with_an_error_and_the_engine_serves_on(
+        server, client, model, faulty_detokenizer, stream):
+    failed = server.metric("inflight:request_success_total", finished_reason="error")
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True,
+            "temperature": 0.7, "seed": FAULT_SEED, "stop": ["zzz"], "stream": stream}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    if stream:
+        assert response.status_code == 200
+        events = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        assert "injected detokenizer fault" in events[-1]["error"]["message"]
+        assert response.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+        assert error["type"] == "server_error" and "injected detokenizer fault" in error["message"]
+    assert server.wait_idle()
+    assert server.metric("inflight:request_success_total", finished_reason="error") == failed + 1
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    out = client.completions.create(model=model, prompt="The capital of France is",
+                                    max_tokens=3, temperature=0)
+    assert "Paris" in out.choices[0].text

@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.set_defaults(func=_bench_throughput)
 
     sv = bench.add_parser("serve", help="load an OpenAI-compatible server; latency per class")
-    sv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    sv.add_argument("--base-url", default="http://127.0.0.1:8000",
+                    help="the server to load (its /v1/completions)")
     sv.add_argument("--model", default=None, help="model name (default: the server's first)")
     load = sv.add_mutually_exclusive_group()
     load.add_argument("--scenario", default="chat",
@@ -129,17 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
                       help='JSON: {"classes": [...]} or {"requests": [...]}')
     sv.add_argument("--duration", type=float, default=60.0,
                     help="seconds of arrivals (classes with a rate)")
+    sv.add_argument("--num-requests", type=int, default=None,
+                    help="this many requests of the scenario instead of --duration's worth")
+    sv.add_argument("--max-tokens", type=int, default=None,
+                    help="every request generates exactly this many tokens")
     sv.add_argument("--rate-scale", type=float, default=1.0,
                     help="multiply every class's arrival rate")
     sv.add_argument("--burstiness", type=float, default=None,
                     help="gamma shape of arrival gaps for every class (1 = Poisson)")
-    sv.add_argument("--concurrency", type=int, default=None,
-                    help="closed loop with this many clients instead of timed arrivals")
-    sv.add_argument("--slo-ttft-ms", type=float, default=500.0)
-    sv.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--concurrency", default=None, metavar="N[,N...]",
+                    help="closed loop with this many clients instead of timed arrivals; "
+                         "a comma list runs one closed loop per value, in turn")
+    sv.add_argument("--slo-ttft-ms", type=float, default=500.0,
+                    help="goodput counts requests whose time to first token is within this")
+    sv.add_argument("--slo-tpot-ms", type=float, default=100.0,
+                    help="... and whose time per output token is within this")
+    sv.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
     sv.add_argument("--label", default=None, help="name of this run in outputs and plots")
-    sv.add_argument("--output-json", default=None)
+    sv.add_argument("--output-json", default=None, help="write the results here")
     sv.add_argument("--plot", default=None, help="PNG of latency percentiles per class")
     sv.add_argument("--compare", nargs="*", default=[],
                     help="JSON outputs of earlier runs to plot beside this one")
@@ -198,19 +206,30 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if specs is None:
         classes = [replace(c, rate=c.rate * args.rate_scale,
                            burstiness=args.burstiness or c.burstiness) for c in classes]
-        specs = serving.build_requests(classes, args.duration, args.seed)
+        specs = serving.build_requests(classes, args.duration, args.seed, args.num_requests)
+    elif args.num_requests is not None:
+        specs = specs[:args.num_requests]
+    if args.max_tokens is not None:
+        specs = [replace(s, max_tokens=args.max_tokens) for s in specs]
+    concurrencies = ([int(c) for c in args.concurrency.split(",") if c]
+                     if args.concurrency else [None])
     label = args.label or (args.workload_file or args.scenario)
     base_url = args.base_url.rstrip("/")
-    data = serving.run(base_url, args.model, specs, args.concurrency,
-                       args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
-    serving.print_report(label, data)
-    runs = {label: data}
+    runs = {}
+    for concurrency in concurrencies:
+        name = label if len(concurrencies) == 1 else f"{label} c={concurrency}"
+        data = serving.run(base_url, args.model, specs, concurrency,
+                           args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+        serving.print_report(name, data)
+        runs[name] = data
+    measured = dict(runs)
     for path in args.compare:
         runs.update(json.loads(Path(path).read_text())["runs"])
     if args.output_json:
         Path(args.output_json).write_text(serving.as_json(
-            {label: data}, base_url=base_url, scenario=args.scenario,
+            measured, base_url=base_url, scenario=args.scenario,
             workload_file=args.workload_file, duration=args.duration, rate_scale=args.rate_scale,
+            num_requests=args.num_requests, max_tokens=args.max_tokens,
             concurrency=args.concurrency, seed=args.seed))
     if args.plot:
         serving.plot(runs, Path(args.plot))

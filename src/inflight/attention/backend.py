@@ -1,6 +1,10 @@
 """The attention backend interface: write each step's K/V into the paged cache at
 its slots, then attend every query token over its own request's blocks.
 
+The backend owns the cache's layout: it allocates the per-layer K/V storage
+(device and host), and it alone moves blocks (copy-on-write copies, swaps to
+and from host memory); nobody else indexes cache tensors by dimension.
+
 A step is one flat list of ``T`` tokens from ``B`` requests. Request ``i`` owns
 tokens ``query_start_loc[i]:query_start_loc[i+1]``, at positions
 ``context_lens[i]`` onwards; after the step its KV spans ``seq_lens[i]``
@@ -34,6 +38,9 @@ class BatchLayout:
         return np.diff(self.query_start_loc)
 
 
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V)
+
+
 class AttentionBackend(ABC):
     """One implementation per device family; the model calls ``forward`` per layer
     with the metadata built once per step."""
@@ -41,8 +48,23 @@ class AttentionBackend(ABC):
     @abstractmethod
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
                           num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                          device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (K, V) storage for ``num_blocks`` blocks."""
+                          device: torch.device) -> KVCaches:
+        """Per-layer (K, V) storage for ``num_blocks`` blocks, zeroed."""
+
+    @abstractmethod
+    def allocate_host_cache(self, num_layers: int, num_blocks: int, block_size: int,
+                            num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                            pin_memory: bool) -> KVCaches:
+        """Host storage for swapped-out blocks, in the device cache's layout."""
+
+    @abstractmethod
+    def copy_blocks(self, kv_caches: KVCaches, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks within the cache: (source, destination) pairs."""
+
+    @abstractmethod
+    def swap_blocks(self, src: KVCaches, dst: KVCaches, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks between a device cache and a host cache, either way:
+        (block in ``src``, block in ``dst``) pairs."""
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> Any:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inflight.attention.backend import AttentionBackend, BatchLayout
+from inflight.attention.backend import AttentionBackend, BatchLayout, KVCaches
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -110,14 +110,42 @@ class TorchPagedMetadata:
     prefills: list[_Prefill]
 
 
+# The dimension of a cache tensor that indexes blocks.
+BLOCK_DIM = 1
+
+
 class TorchPagedBackend(AttentionBackend):
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
                           num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                          device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                          device: torch.device) -> KVCaches:
         # Zeroed, so that padding read under a mask is always finite (0 * nan is nan).
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
                 for _ in range(num_layers)]
+
+    def allocate_host_cache(self, num_layers: int, num_blocks: int, block_size: int,
+                            num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                            pin_memory: bool) -> KVCaches:
+        # Touched now (zero-filled) rather than page by page in the middle of a
+        # swap, where first-touch page faults made a step ten times slower.
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        return [tuple(torch.zeros(shape, dtype=dtype, pin_memory=pin_memory) for _ in range(2))
+                for _ in range(num_layers)]
+
+    def copy_blocks(self, kv_caches: KVCaches, pairs: list[tuple[int, int]]) -> None:
+        device = kv_caches[0][0].device
+        src, dst = (torch.tensor(ids, dtype=torch.long, device=device) for ids in zip(*pairs))
+        for layer_kv in kv_caches:
+            for cache in layer_kv:
+                cache.index_copy_(BLOCK_DIM, dst, cache.index_select(BLOCK_DIM, src))
+
+    def swap_blocks(self, src: KVCaches, dst: KVCaches, pairs: list[tuple[int, int]]) -> None:
+        first, second = zip(*pairs)
+        src_ids = torch.tensor(first, dtype=torch.long, device=src[0][0].device)
+        dst_ids = torch.tensor(second, dtype=torch.long, device=dst[0][0].device)
+        for src_kv, dst_kv in zip(src, dst):
+            for s, d in zip(src_kv, dst_kv):
+                d.index_copy_(BLOCK_DIM, dst_ids, s.index_select(BLOCK_DIM, src_ids).to(d.device))
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchPagedMetadata:
         is_decode = layout.query_lens == 1

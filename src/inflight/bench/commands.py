@@ -18,6 +18,7 @@ from inflight.bench.throughput import ThroughputResult, matmul_flops, run_engine
 from inflight.bench.workloads import SYNTHETIC, BenchRequest, from_file, synthetic
 from inflight.config import EngineConfig
 from inflight.engine.engine_core import EngineCore
+from inflight.engine.factory import build_engine_core
 from inflight.model.loader import resolve_model_dir
 
 SWEEP_SEQS = (4, 8, 16, 32, 64, 128)
@@ -43,7 +44,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 def load_workload(args: argparse.Namespace, engine: EngineCore) -> list[BenchRequest]:
     if args.workload in SYNTHETIC:
         return synthetic(args.workload, args.num_requests, args.workload_seed,
-                         engine.model_config.vocab_size, engine.max_model_len,
+                         engine.model.vocab_size, engine.max_model_len,
                          _special_ids(engine), args.input_len, args.output_len,
                          args.prefix_len, args.turns)
     return from_file(Path(args.workload))
@@ -68,7 +69,7 @@ def _engine(base: EngineConfig, model_stub: bool = False, **changes: Any) -> Eng
     # The previous run's engine is garbage by now, but held in reference cycles:
     # collect it before allocating another KV cache.
     gc.collect()
-    return EngineCore(dataclasses.replace(base, **changes), model_stub=model_stub)
+    return build_engine_core(dataclasses.replace(base, **changes), model_stub=model_stub)
 
 
 def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
@@ -97,7 +98,7 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
             if engine.tokenizer else None
         results.append(run_hf_generate(
             resolve_model_dir(base.model), requests, batch_size=args.hf_batch_size,
-            ignore_eos=args.ignore_eos, dtype=engine.dtype,
+            ignore_eos=args.ignore_eos, dtype=engine.runner.dtype,
             pad_token_id=pad if pad is not None else 0, eos_token_ids=sorted(engine.eos_token_ids)))
     report = _report(args, base, engine, requests, results)
     if args.output_json:
@@ -130,12 +131,12 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
     }
     engine_runs = [r for r in results if r.label != "hf-generate"]
     if not args.model_stub:
-        flops = matmul_flops(engine.device, engine.dtype)
-        params = engine.num_parameters
+        flops = matmul_flops(engine.runner.device, engine.runner.dtype)
+        params = engine.runner.num_parameters
         roofline = flops / (2 * params)
         best = max(engine_runs, key=lambda r: r.total_tokens_per_second)
         pct = 100 * best.total_tokens_per_second / roofline
-        print(f"\nroofline: {flops / 1e9:.0f} GFLOP/s (2048^3 {engine.config.dtype} matmul) / "
+        print(f"\nroofline: {flops / 1e9:.0f} GFLOP/s (2048^3 {base.dtype} matmul) / "
               f"(2 x {params / 1e6:.1f}M parameters) = {roofline:.0f} tokens/s; "
               f"best run {best.total_tokens_per_second:.0f} total tokens/s = {pct:.0f}% of roofline")
         report["roofline"] = {"matmul_flops": flops, "parameters": params,
@@ -227,7 +228,7 @@ def sweep(args: argparse.Namespace, base: EngineConfig) -> int:
     plots.throughput_vs_batch(results, out_dir / "throughput_vs_batch.png", args.workload)
 
     small = synthetic("mixed", args.timeline_requests, args.workload_seed,
-                      engine.model_config.vocab_size, engine.max_model_len, _special_ids(engine))
+                      engine.model.vocab_size, engine.max_model_len, _special_ids(engine))
     timelines = []
     for mode in ("continuous", "static"):
         engine = _engine(base, scheduling=mode, max_num_seqs=args.timeline_seqs)

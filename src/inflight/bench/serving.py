@@ -101,8 +101,20 @@ def text_of_length(rng: random.Random, tokens: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(tokens))
 
 
-def build_requests(classes: list[RequestClass], duration: float, seed: int) -> list[RequestSpec]:
-    """Arrival times and shapes for every class over ``duration`` seconds."""
+def build_requests(classes: list[RequestClass], duration: float, seed: int,
+                   num_requests: int | None = None) -> list[RequestSpec]:
+    """Arrival times and shapes for every class over ``duration`` seconds, or,
+    with ``num_requests``, the first that many arrivals however long they take."""
+    if num_requests is not None:
+        if num_requests < 1:
+            raise ValueError(f"--num-requests must be >= 1, got {num_requests}")
+        if not any(c.rate > 0 or c.count for c in classes):
+            raise ValueError("the workload's classes send no requests")
+        while True:
+            specs = build_requests(classes, duration, seed)
+            if len(specs) >= num_requests:
+                return specs[:num_requests]
+            duration *= 2
     rng = random.Random(seed)
     specs = []
     for cls in classes:

@@ -73,7 +73,7 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
         _warm_up(engine)
     profiler = None
     if profile:
-        profiler = StepProfiler(engine.device)
+        profiler = StepProfiler(engine.runner.device)
         profiler.attach(engine)
     kv = engine.kv_cache
     queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 
 from inflight.core.sampling_params import SamplingParams
 
@@ -33,6 +32,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"      # max_tokens or the context limit
     ABORT = "abort"        # cancelled by the caller
     DEADLINE = "deadline"  # could no longer meet its deadline (drop_expired)
+    ERROR = "error"        # handling its step results failed (the engine serves on)
 
     def __str__(self) -> str:
         return self.value
@@ -85,13 +85,13 @@ class Request:
         self.eos_token_ids = eos_token_ids
         stop_ids = frozenset(sampling_params.stop_token_ids)
         self.stop_token_ids = stop_ids if sampling_params.ignore_eos else stop_ids | eos_token_ids
-        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # None until the scheduler stamps it with its clock.
+        self.arrival_time: float | None = arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
-        self.history: list[tuple[str, float, str]] = []
-        self.record("queued", self.arrival_time)
+        self.history: list[tuple[str, float, str]] = []  # "queued" first, by the scheduler
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -19,19 +19,19 @@ Each ``schedule()`` call plans one forward step under one token budget
 The samples of an ``n`` > 1 request are admitted as one: the first computes the
 prompt, and the step that finishes it forks the others onto its KV blocks.
 
-With ``static_batching`` the same loop emulates classic static batching (as
-in Hugging Face ``generate``) for comparison: a new batch is admitted only once
-every member of the previous one has finished, and a member that finishes early
-is reported finished but keeps computing as padding, its tokens discarded, until
-the whole batch is done; then all of its blocks are freed.
+``update_from_output()`` applies each request's accepted tokens (one for a
+decode; several when drafts were verified), finishes requests that hit a stop
+condition and frees their blocks in the same step. Static batching, the
+baseline, is a subclass (``core.static_scheduler``) that overrides the hooks
+where it differs.
 
-``update_from_output()`` applies the sampled tokens, finishes requests that hit
-a stop condition and frees their blocks in the same step.
+The scheduler never reads the wall clock: it asks the ``clock`` it was given,
+so a simulator can drive it in virtual time.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inflight.core.kv_cache_manager import KVCacheManager, cdiv
@@ -39,6 +39,10 @@ from inflight.core.policy import SchedulingPolicy
 from inflight.core.request import FinishReason, Request, RequestStatus
 
 PREEMPTION_MODES = ("recompute", "swap")
+
+# Seconds since some fixed origin: ``time.time`` in the engine, virtual time in
+# a simulator.
+Clock = Callable[[], float]
 
 
 @dataclass
@@ -82,11 +86,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, policy: SchedulingPolicy, *,
+    def __init__(self, kv_cache: KVCacheManager, policy: SchedulingPolicy, *, clock: Clock,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool = True, static_batching: bool = False,
-                 preemption_mode: str = "recompute", preempt_for_priority: bool = False,
-                 drop_expired: bool = False, max_running_per_tenant: int | None = None) -> None:
+                 enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
+                 preempt_for_priority: bool = False, drop_expired: bool = False,
+                 max_running_per_tenant: int | None = None) -> None:
         if max_model_len > kv_cache.capacity_tokens:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the KV cache capacity "
                              f"({kv_cache.capacity_tokens} tokens)")
@@ -98,17 +102,15 @@ class Scheduler:
                              f"got {preemption_mode!r}")
         self.kv_cache = kv_cache
         self.policy = policy
+        self.clock = clock
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.static_batching = static_batching
         self.preemption_mode = preemption_mode
         self.preempt_for_priority = preempt_for_priority
         self.drop_expired = drop_expired
         self.max_running_per_tenant = max_running_per_tenant
-        # Static batching: whether the current batch may still take members.
-        self._batch_open = True
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -131,6 +133,10 @@ class Scheduler:
         if 1 + len(forks) > self.max_num_seqs:
             raise ValueError(f"n or best_of ({1 + len(forks)}) exceeds max_num_seqs="
                              f"{self.max_num_seqs}")
+        for r in (request, *forks):
+            if r.arrival_time is None:
+                r.arrival_time = self.clock()
+            r.record("queued", r.arrival_time)
         self.requests[request.request_id] = request
         for fork in forks:
             fork.fork_parent = request
@@ -167,7 +173,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._ended_ids,
                               copy_blocks=self._pending_copies)
         self._ended_ids, self._pending_copies = [], []
-        now = time.time()
+        now = self.clock()
         if self.drop_expired:
             self._drop_expired(out, now)
         budget = self.max_num_batched_tokens
@@ -191,8 +197,11 @@ class Scheduler:
             while end > len(table) * block_size and kv.allocate_slots(request.request_id,
                                                                       end) is None:
                 victim = self.policy.pick_victim(self.running)
-                if self.running.index(victim) < i:  # scheduled this step already: take it back
-                    budget += self._unschedule(out, victim)
+                if self.running.index(victim) < i:  # passed already: planned or deferred
+                    if victim in out.requests:
+                        budget += self._unschedule(out, victim)
+                    else:
+                        deferred.remove(victim)
                     i -= 1
                 self._preempt(out, victim, "out of KV blocks", now)
                 if victim is request:
@@ -207,23 +216,18 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if self.static_batching and not self.running:
-            self._batch_open = True
-        if out.preempted_request_ids:
-            # No admissions while memory is short; a static batch stops growing.
-            self._batch_open = not self.static_batching
-        elif self._batch_open:
-            scheduled = len(out.requests)
+        if self._may_admit(out):
+            num_planned = len(out.requests)
             budget_bound, admitted_chunked, budget = self._admit(out, budget, now, deferred)
             chunked |= admitted_chunked
-            # A static batch keeps forming across steps only while the token
-            # budget is what holds admissions back.
-            self._batch_open = budget_bound or not self.static_batching
-            if len(out.requests) > scheduled:
+            self._admitted(budget_bound)
+            if len(out.requests) > num_planned:
                 deferred = []  # the step is the newcomers': keep it short
         for request in deferred:  # nothing outranking could be admitted after all
-            if budget <= 0 or request not in self.running:
+            if budget <= 0:
                 break
+            if request not in self.running:  # displaced by a newcomer
+                continue
             pending = request.num_tokens - request.num_computed_tokens
             num_new = min(pending, budget)
             if self.kv_cache.allocate_slots(request.request_id,
@@ -241,6 +245,19 @@ class Scheduler:
                 if n < pending:
                     request.record("chunked", now, f"{n} of {pending} pending tokens")
         return out
+
+    # ------------------------------------------------ hooks (static batching)
+    def _may_admit(self, out: SchedulerOutput) -> bool:
+        """Whether waiting requests may be admitted this step: not while memory
+        is short (something was preempted)."""
+        return not out.preempted_request_ids
+
+    def _admitted(self, budget_bound: bool) -> None:
+        """Admission ended; ``budget_bound`` if the token budget stopped it."""
+
+    def _live_running(self) -> list[Request]:
+        """Running requests that are still the caller's (all of them here)."""
+        return self.running
 
     def _outranked_by_waiting(self, request: Request) -> bool:
         """With preempt_for_priority, a running request's prompt chunk waits while
@@ -331,7 +348,7 @@ class Scheduler:
         ``request`` outranks it. Returns the budget that frees, or None."""
         if not self.preempt_for_priority:
             return None
-        candidates = [r for r in self.running if r.request_id not in admitted and not r.padding]
+        candidates = [r for r in self._live_running() if r.request_id not in admitted]
         if not candidates:
             return None
         victim = self.policy.pick_victim(candidates)
@@ -360,11 +377,7 @@ class Scheduler:
 
     def _preempt(self, out: SchedulerOutput, request: Request, reason: str, now: float) -> None:
         """Send a running request back to waiting: its KV copied to host memory
-        (swap) or dropped, to be recomputed. A padding static-batch member is
-        simply let go."""
-        if request.padding:
-            self._release(request)
-            return
+        (swap) or dropped, to be recomputed."""
         self.running.remove(request)
         pairs = None
         if self.preemption_mode == "swap" and request.num_computed_tokens:
@@ -386,54 +399,53 @@ class Scheduler:
 
     def _drop_expired(self, out: SchedulerOutput, now: float) -> None:
         """End every request whose deadline has passed (``drop_expired``)."""
-        expired = [r for r in [*self.policy, *self.running]
-                   if r.deadline is not None and now > r.deadline and not r.padding]
+        expired = [r for r in [*self.policy, *self._live_running()]
+                   if r.deadline is not None and now > r.deadline]
         for request in [f for r in expired for f in r.pending_forks] + expired:
             self._end(request, FinishReason.DEADLINE, now)
             out.expired.append(request)
 
     # ----------------------------------------------------------------- update
     def update_from_output(self, out: SchedulerOutput,
-                           sampled_token_ids: list[int | None]) -> list[Request]:
+                           new_token_ids: list[list[int]]) -> list[Request]:
         """Advance each scheduled request by its computed tokens and append its
-        sampled token (None for a prompt chunk that does not end the prompt).
-        Returns the requests that received a token, finished ones included."""
-        now = time.time()
+        accepted tokens (none for a prompt chunk that does not end the prompt;
+        one for a decode; several for verified drafts). Each appended token is
+        checked for a stop condition; tokens after a stop are dropped. Returns
+        the requests that received tokens, finished ones included."""
+        now = self.clock()
         updated = []
         counts_tokens = self.policy.counts_tokens
         caching, block_size = self.kv_cache.enable_caching, self.kv_cache.block_size
-        for request, num_new, token in zip(out.requests, out.num_new_tokens, sampled_token_ids):
+        for request, num_new, tokens in zip(out.requests, out.num_new_tokens, new_token_ids):
             start = request.num_computed_tokens
-            if counts_tokens and not request.padding:
-                prompt_part = min(num_new, max(0, request.num_prompt_tokens - start))
-                self.policy.on_tokens(request, prompt_part, num_new - prompt_part)
+            if counts_tokens:
+                self._account(request, start, num_new)
             request.num_computed_tokens = start + num_new
             if caching and (start + num_new) // block_size > start // block_size:
                 self.kv_cache.cache_blocks(request)  # a block was filled
             if request.pending_forks and request.num_computed_tokens >= request.num_prompt_tokens:
                 self._fork(request, now)
-            if token is None:
-                continue
-            if request.padding:  # its tokens only keep the batch's shape
-                request.all_token_ids.append(token)
-                if request.num_tokens >= self.max_model_len:
-                    self._release(request)
-                continue
+            if tokens and self._append_tokens(request, tokens, now):
+                updated.append(request)
+        return updated
+
+    def _account(self, request: Request, start: int, num_new: int) -> None:
+        """Tell the policy how many prompt and output tokens were computed."""
+        prompt_part = min(num_new, max(0, request.num_prompt_tokens - start))
+        self.policy.on_tokens(request, prompt_part, num_new - prompt_part)
+
+    def _append_tokens(self, request: Request, tokens: list[int], now: float) -> bool:
+        """Append tokens up to the first that stops the request; returns whether
+        the request's caller gets them."""
+        for token in tokens:
             request.append_output_token(token, now)
             reason = request.check_stop(self.max_model_len)
             if reason is not None:
-                if self.static_batching and request.num_tokens < self.max_model_len and any(
-                        not r.padding and r is not request for r in self.running):
-                    self._finish(request, reason, now)
-                    request.padding = True
-                else:
-                    self._finish(request, reason, now)
-                    self._release(request)
-            updated.append(request)
-        if self.static_batching and self.running and all(r.padding for r in self.running):
-            for request in list(self.running):
+                self._finish(request, reason, now)
                 self._release(request)
-        return updated
+                break
+        return True
 
     def _fork(self, parent: Request, now: float) -> None:
         """Start the parent's other samples from its KV: each shares the blocks of
@@ -454,7 +466,10 @@ class Scheduler:
         parent.pending_forks = []
 
     def _end(self, request: Request, reason: FinishReason, now: float | None = None) -> None:
-        """Finish a live request now, wherever it is, and free its blocks."""
+        """Finish a live request now, wherever it is, and free its blocks; the
+        samples still waiting to fork from it end with it."""
+        for fork in list(request.pending_forks):
+            self._end(fork, reason, now)
         parent = request.fork_parent
         if parent is not None:  # a sample still waiting for its prompt
             parent.pending_forks.remove(request)
@@ -475,7 +490,7 @@ class Scheduler:
                 known_to_policy: bool = True) -> None:
         """Mark a request finished for its caller (its blocks are freed separately).
         A pending fork is not ``known_to_policy`` yet."""
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_time = now

@@ -1,5 +1,5 @@
 """AsyncEngine: the engine loop in one background thread, with an asyncio stream
-of outputs per request.
+of outputs per request; the in-process ``EngineClient``.
 
 Only the loop thread touches the EngineCore's state. Callers validate and
 tokenize in their own thread (``prepare_request``), then hand the request to
@@ -27,8 +27,10 @@ from typing import Any
 
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
+from inflight.engine.client import EngineLoad, ModelInfo
 from inflight.engine.engine_core import EngineCore, PreparedRequest, PromptType, StepStats
-from inflight.engine.output import RequestOutput
+from inflight.engine.factory import build_engine_core
+from inflight.engine.output import OutputKind, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,14 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """Handling this request's results failed; the engine serves on."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted (``abort``) while its stream was being read."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -59,12 +69,14 @@ class AsyncEngine:
                  max_waiting_per_tenant: int | None = None,
                  max_queue_wait: float | None = None,
                  on_step: Callable[[StepStats], None] | None = None,
-                 on_abort: Callable[[int], None] | None = None) -> None:
+                 on_abort: Callable[[int], None] | None = None,
+                 build: Callable[[EngineConfig], EngineCore] = build_engine_core) -> None:
         """``max_waiting_requests``: refuse new requests (QueueFullError) while this
         many wait (``max_waiting_per_tenant``: this many of the same tenant);
         ``max_queue_wait``: end with QueueTimeoutError a request not scheduled
         within this many seconds. ``on_step`` sees every step's stats and
-        ``on_abort`` the number of requests each abort ended (metrics)."""
+        ``on_abort`` the number of requests each abort ended (metrics).
+        ``build`` makes the EngineCore (in the loop thread)."""
         for name, value in (("max_waiting_requests", max_waiting_requests),
                             ("max_waiting_per_tenant", max_waiting_per_tenant)):
             if value is not None and value < 1:
@@ -86,11 +98,12 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         # Requests queued in the inbox or in the scheduler; read without the lock.
         self.num_waiting = 0
-        self.num_running = 0
+        # The load snapshot, replaced (never mutated) by the loop thread.
+        self._load = EngineLoad()
         self._built = threading.Event()
         self._build_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(config,), name="inflight-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(config, build),
+                                        name="inflight-engine", daemon=True)
         self._thread.start()
         self._built.wait()
         if self._build_error is not None:
@@ -107,14 +120,50 @@ class AsyncEngine:
         with self._lock:
             return len(self._streams)
 
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.core.model
+
+    def load(self) -> EngineLoad:
+        return self._load
+
+    # Tokenizer operations (EngineClient).
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.core.tokenizer is not None
+
+    def _tokenizer(self):  # noqa: ANN202 - inflight.model.tokenizer.Tokenizer
+        if self.core.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init is set)")
+        return self.core.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer().encode(text, add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer().decode(token_ids, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        return self._tokenizer().apply_chat_template(messages, add_generation_prompt)
+
+    async def abort(self, request_id: str) -> None:
+        """End a request wherever it is, freeing its KV blocks; a reader of its
+        stream gets RequestAbortedError."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+            self._lock.notify()
+
     async def generate(self, prompt: PromptType, params: SamplingParams, *,
-                       request_id: str | None = None, **scheduling: Any
+                       request_id: str | None = None, stream: bool = True, **scheduling: Any
                        ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until it finishes. ``scheduling`` takes the
+        """A request's outputs until it finishes: deltas at every step with news
+        when ``stream``, else one final output. ``scheduling`` takes the
         options of ``EngineCore.prepare_request`` (priority, tenant, deadline_ms,
         expected_output_tokens, cache_salt). Raises ValueError for bad input, QueueFullError
-        under backpressure, QueueTimeoutError when it waited too long. Closing
-        the iterator early (a client went away) aborts the request."""
+        under backpressure, QueueTimeoutError when it waited too long,
+        RequestFailedError when handling its results failed. Closing the
+        iterator early (a client went away) aborts the request."""
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
         if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
@@ -125,8 +174,9 @@ class AsyncEngine:
             raise QueueFullError(f"tenant {tenant!r} already has {self.max_waiting_per_tenant} "
                                  "requests waiting")
         # Tokenizing a long prompt takes a while: keep it off the event loop.
+        kind = OutputKind.DELTA if stream else OutputKind.FINAL
         prepared = await asyncio.to_thread(self.core.prepare_request, prompt, params,
-                                           request_id=request_id, stream=True, **scheduling)
+                                           request_id=request_id, kind=kind, **scheduling)
         rid = prepared.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
@@ -144,6 +194,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailedError(item.error)
                 yield item
                 if item.finished:
                     finished = True
@@ -178,9 +231,9 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # ---------------------------------------------------------- loop thread
-    def _run(self, config: EngineConfig) -> None:
+    def _run(self, config: EngineConfig, build: Callable[[EngineConfig], EngineCore]) -> None:
         try:
-            self.core = EngineCore(config)
+            self.core = build(config)
         except BaseException as e:  # noqa: BLE001 - re-raised by __init__
             self._build_error = e
             return
@@ -212,8 +265,10 @@ class AsyncEngine:
                     self._deliver(outputs)
                     if self._on_step is not None:
                         self._on_step(core.last_step)
-                self.num_waiting = core.scheduler.num_waiting + len(self._inbox)
-                self.num_running = core.scheduler.num_running
+                # After every pass, steps or not: an abort on an idle engine
+                # shows at once.
+                self._load = core.load()
+                self.num_waiting = self._load.num_waiting + len(self._inbox)
                 if self.max_waiting_per_tenant is not None:
                     self.waiting_by_tenant = Counter(r.tenant for r in core.scheduler.policy)
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it
@@ -236,6 +291,8 @@ class AsyncEngine:
         self.core.abort_request(request_id)
         if ended and self._on_abort is not None:
             self._on_abort(ended)
+        if ended:
+            self._fail(request_id, RequestAbortedError(f"request {request_id!r} was aborted"))
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         with self._lock:

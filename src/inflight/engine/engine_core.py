@@ -1,8 +1,14 @@
 """EngineCore: the continuous-batching loop, one ``step()`` at a time.
 
-``step()`` = schedule -> run the model on the mixed batch -> apply the sampled
-tokens (finishing and freeing what hit a stop condition) -> detokenize and
-return the outputs of every request that progressed.
+``step()`` = schedule -> the runner moves KV blocks and computes the mixed
+batch -> the scheduler applies the accepted tokens (finishing and freeing what
+hit a stop condition) -> the output processor detokenizes and returns the
+outputs of every request that progressed.
+
+The core is built from parts: a scheduler (``core/``), a runner (anything
+that implements ``worker.runner.Runner``: the real model, a stub, a cost model)
+and an output processor. ``engine.factory.build_engine_core`` makes them from
+an EngineConfig.
 """
 
 from __future__ import annotations
@@ -13,25 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from inflight.config import EngineConfig
-from inflight.core.kv_cache_manager import KVCacheManager
-from inflight.core.policy import PolicyConfig, make_policy
 from inflight.core.request import FinishReason, Request
 from inflight.core.sampling_params import SamplingParams
-from inflight.core.scheduler import Scheduler
-from inflight.engine.output import OutputProcessor, RequestOutput
-from inflight.model.loader import (eos_token_ids, iter_safetensors, model_display_name,
-                                   read_model_config, resolve_model_dir)
-from inflight.model.layers import pack_linear_weights
-from inflight.model.registry import get_model_class
-from inflight.model.stub import StubModel
+from inflight.core.scheduler import Clock, Scheduler
+from inflight.engine.client import EngineLoad, ModelInfo
+from inflight.engine.output import OutputKind, OutputProcessor, RequestOutput
 from inflight.model.tokenizer import Tokenizer
-from inflight.ops.cpu_ops import CpuOps
-from inflight.worker.cpu_setup import configure_cpu
-from inflight.worker.kernels import select_kernels
-from inflight.worker.model_runner import ModelRunner
+from inflight.worker.runner import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +40,7 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[Request]
-    stream: bool
+    kind: OutputKind
     params: SamplingParams
 
 
@@ -77,96 +71,30 @@ class StepStats:
     finished: list[tuple[str, float, int, int]] = field(default_factory=list)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class EngineCore:
-    def __init__(self, config: EngineConfig, *, model_stub: bool = False) -> None:
-        """Build the engine. ``model_stub`` puts a no-op model in place of the real
-        one, for benchmarks of the machinery around the forward pass."""
-        self.config = config
-        start = time.perf_counter()
-        self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            configure_cpu(config.num_threads)
-        elif config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        self.dtype = getattr(torch, config.dtype)
-        model_dir = resolve_model_dir(config.model)
-        self.model_name = model_display_name(config.model)
-        self.model_config = read_model_config(model_dir)
-        self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(model_dir)
-        self.eos_token_ids = frozenset(eos_token_ids(model_dir, self.model_config, self.tokenizer))
-
-        block_size = config.block_size
-        num_blocks = config.num_kv_blocks or config.kv_cache_memory // self.kv_block_bytes
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory ({config.kv_cache_memory} bytes) is smaller than "
-                             f"one KV block ({self.kv_block_bytes} bytes)")
-        capacity = num_blocks * block_size
-        model_max = self.model_config.max_position_embeddings
-        if config.max_model_len is None:
-            self.max_model_len = min(model_max, capacity)
-        else:
-            self.max_model_len = config.max_model_len
-            if self.max_model_len > model_max:
-                raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
-                                 f"max_position_embeddings ({model_max})")
-            if self.max_model_len > capacity:
-                raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the KV cache "
-                                 f"capacity ({capacity} tokens); raise kv_cache_memory or num_kv_blocks")
-
-        ops, backend = select_kernels(config.kernel_backend, self.device, self.dtype)
-        if model_stub:
-            special = self.eos_token_ids | (self.tokenizer.special_token_ids
-                                            if self.tokenizer else frozenset())
-            ordinary = next(t for t in range(self.model_config.vocab_size) if t not in special)
-            model = StubModel(self.model_config, self.dtype, ordinary)
-        else:
-            with torch.device(self.device):
-                model = get_model_class(self.model_config.architecture)(
-                    self.model_config, backend, ops, self.max_model_len, self.dtype)
-            model.load_weights(iter_safetensors(model_dir, self.dtype))
-        # Parameters as stored (a tied embedding once), counted before packing.
-        self.num_parameters = sum(p.numel() for p in model.parameters())
-        if isinstance(ops, CpuOps) and not model_stub:
-            pack_linear_weights(model, ops)
-        self.model = model.eval()
-        num_host_blocks = (config.swap_space // self.kv_block_bytes
-                           if config.preemption_mode == "swap" else 0)
-        self.runner = ModelRunner(model, backend, num_blocks=num_blocks,
-                                  num_host_blocks=num_host_blocks, block_size=block_size,
-                                  device=self.device, dtype=self.dtype, seed=config.seed)
-        self.kv_cache = KVCacheManager(num_blocks, block_size, num_host_blocks,
-                                       enable_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv_cache,
-            make_policy(config.scheduling_policy,
-                        PolicyConfig(config.priority_aging, config.sjf_aging)),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            static_batching=config.scheduling == "static",
-            preemption_mode=config.preemption_mode,
-            preempt_for_priority=config.preempt_for_priority,
-            drop_expired=config.drop_expired,
-            max_running_per_tenant=config.max_running_per_tenant)
-        self.output_processor = OutputProcessor(self.tokenizer, self._finish_on_stop_string)
+    def __init__(self, scheduler: Scheduler, runner: Runner, output_processor: OutputProcessor,
+                 *, model: ModelInfo, tokenizer: Tokenizer | None,
+                 eos_token_ids: frozenset[int] = frozenset(), clock: Clock = time.time) -> None:
+        """The parts must agree: the scheduler's KV manager holds the runner's
+        ``num_kv_blocks``, and both use ``model.max_model_len``."""
+        self.scheduler = scheduler
+        self.runner = runner
+        self.output_processor = output_processor
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.clock = clock
+        self.kv_cache = scheduler.kv_cache
+        self.max_model_len = model.max_model_len
         self._ids = itertools.count()
         self.last_step = StepStats()
-        self.load_seconds = time.perf_counter() - start
-        logger.info("loaded %s in %.1f s: %d KV blocks of %d tokens, max_model_len %d, %s on %s, "
-                    "%s", self.model_name, self.load_seconds, num_blocks, block_size,
-                    self.max_model_len, config.dtype, self.device, type(backend).__name__)
+        self.load_seconds = 0.0  # set by the factory
 
-    @property
-    def kv_block_bytes(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.model_config.kv_bytes_per_token * self.config.block_size * element
+    def load(self) -> EngineLoad:
+        return EngineLoad(num_waiting=self.scheduler.num_waiting,
+                          num_running=self.scheduler.num_running,
+                          kv_cache_usage=self.kv_cache.usage,
+                          num_cached_blocks=self.kv_cache.num_cached_blocks)
 
     # -------------------------------------------------------------- requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -190,7 +118,7 @@ class EngineCore:
                          f"'prompt_token_ids', got {type(prompt).__name__}")
 
     def _check_token_ids(self, ids: Any) -> list[int]:
-        vocab = self.model_config.vocab_size
+        vocab = self.model.vocab_size
         if not isinstance(ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt_token_ids must be a list of integers")
@@ -202,19 +130,20 @@ class EngineCore:
         return ids
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
-                    request_id: str | None = None, stream: bool = False,
+                    request_id: str | None = None, kind: OutputKind = OutputKind.FINAL,
                     **scheduling: Any) -> str:
         """Queue a request (``params.n`` sequences over one prompt); returns its id.
-        ``step()`` reports it at every step when ``stream``, else once finished.
-        Scheduling options are those of ``prepare_request``. Raises ValueError,
-        queueing nothing, if it can never run."""
-        prepared = self.prepare_request(prompt, params, request_id=request_id, stream=stream,
+        ``step()`` reports it as ``kind`` says: at every step with news (DELTA),
+        or once finished (FINAL). Scheduling options are those of
+        ``prepare_request``. Raises ValueError, queueing nothing, if it can
+        never run."""
+        prepared = self.prepare_request(prompt, params, request_id=request_id, kind=kind,
                                         **scheduling)
         self.submit(prepared)
         return prepared.request_id
 
     def prepare_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
-                        request_id: str | None = None, stream: bool = False,
+                        request_id: str | None = None, kind: OutputKind = OutputKind.FINAL,
                         arrival_time: float | None = None, priority: int = 0,
                         tenant: str | None = None, deadline_ms: float | None = None,
                         expected_output_tokens: int | None = None,
@@ -251,7 +180,7 @@ class EngineCore:
                              f"got {expected_output_tokens!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        arrival = time.time() if arrival_time is None else arrival_time
+        arrival = self.clock() if arrival_time is None else arrival_time
         deadline = None if deadline_ms is None else arrival + deadline_ms / 1000
         count = params.num_samples
         ranked = count > params.n  # best_of: each sample's log-probabilities are needed
@@ -267,7 +196,7 @@ class EngineCore:
             sequences.append(Request(seq_id, ids, seq_params, max_tokens, self.eos_token_ids,
                                      arrival, priority, tenant, deadline,
                                      expected_output_tokens, cache_salt))
-        return PreparedRequest(request_id, text, ids, sequences, stream, params)
+        return PreparedRequest(request_id, text, ids, sequences, kind, params)
 
     def submit(self, prepared: PreparedRequest) -> None:
         """Queue a prepared request; ValueError if its id is in use."""
@@ -276,24 +205,28 @@ class EngineCore:
             raise ValueError(f"request_id {prepared.request_id!r} is already in use")
         self.scheduler.add_request(prepared.sequences[0], prepared.sequences[1:])
         self.output_processor.add(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
-                                  prepared.sequences, prepared.stream, prepared.params)
+                                  prepared.sequences, prepared.kind, prepared.params)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Cancel requests; their KV blocks return to the pool now."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             self.scheduler.finish_requests(self.output_processor.remove(rid), FinishReason.ABORT)
 
-    def _finish_on_stop_string(self, sequence: Request, stop: str) -> None:
-        self.scheduler.finish_requests(sequence.request_id, FinishReason.STOP)
-        sequence.stop_reason = stop
+    def _finish_sequence(self, sequence: Request, reason: FinishReason, stop: str | None) -> None:
+        """End one sequence for the output processor (a stop string, a failure)."""
+        self.scheduler.finish_requests(sequence.request_id, reason)
+        if stop is not None:
+            sequence.stop_reason = stop
 
     # ------------------------------------------------------------------ step
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of streamed requests that got
-        tokens and of requests that finished. ``last_step`` describes the step."""
+        """Run one iteration; returns the outputs of DELTA requests that got
+        tokens and of requests that finished. ``last_step`` describes the step.
+        A failure of one request's results ends that request with an error; only
+        a failure of the runner itself propagates."""
         start = time.perf_counter()
         kv = self.kv_cache
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
@@ -303,17 +236,21 @@ class EngineCore:
             self.last_step = StepStats(num_waiting=self.scheduler.num_waiting,
                                        kv_cache_usage=kv.usage)
             self._record_finished(self.last_step, out.expired)
-            return self.output_processor.process([], {}, out.expired)
+            return self.output_processor.process([], {}, out.expired, {}, self._finish_sequence)
         prompt_tokens = sum(min(n, max(0, r.num_prompt_tokens - r.num_computed_tokens))
                             for r, n in zip(out.requests, out.num_new_tokens))
         live_ids = [r.request_id for r in out.requests if not r.padding]
         padding_ids = [r.request_id for r in out.requests if r.padding]
         last_token_times = {r.request_id: r.last_token_time for r in out.requests}
         result = self.runner.execute(out)
-        updated = self.scheduler.update_from_output(out, result.sampled_token_ids)
-        logprobs = {r.request_id: lp for r, lp in zip(out.requests, result.logprobs)
-                    if lp is not None}
-        outputs = self.output_processor.process(updated, logprobs, out.expired)
+        failed = {out.requests[row].request_id: message
+                  for row, message in result.errors.items()}
+        updated = self.scheduler.update_from_output(out, result.new_token_ids)
+        counts = {r.request_id: len(t) for r, t in zip(out.requests, result.new_token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(out.requests, result.logprobs) if lp}
+        outputs = self.output_processor.process(
+            [(seq, counts[seq.request_id]) for seq in updated], logprobs, out.expired, failed,
+            self._finish_sequence)
         stats = StepStats(
             num_requests=len(live_ids), num_padding=len(padding_ids),
             num_tokens=out.total_num_tokens,
@@ -322,7 +259,7 @@ class EngineCore:
             num_preempted=len(out.preempted_request_ids),
             seconds=time.perf_counter() - start,
             request_ids=live_ids, padding_ids=padding_ids,
-            kv_cache_usage=kv.usage, generation_tokens=len(updated),
+            kv_cache_usage=kv.usage, generation_tokens=sum(counts[s.request_id] for s in updated),
             prefix_cache_queries=kv.prefix_cache_queries - queries,
             prefix_cache_hits=kv.prefix_cache_hits - hits)
         for seq in updated:
@@ -333,7 +270,9 @@ class EngineCore:
                                            seq.num_prompt_tokens))
             else:
                 stats.inter_token_latencies.append(seq.last_token_time - previous)
-        self._record_finished(stats, [*out.expired, *(s for s in updated if s.is_finished)])
+        ended = [*out.expired, *(s for s in updated if s.is_finished)]
+        ended += [r for r in out.requests if r.request_id in failed]
+        self._record_finished(stats, ended)
         self.last_step = stats
         return outputs
 
@@ -350,7 +289,7 @@ class EngineCore:
     def abort_waiting_older_than(self, seconds: float, now: float | None = None) -> list[str]:
         """Abort the requests that have waited longer than ``seconds`` without
         being scheduled; returns their ids."""
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         expired = {self.output_processor.request_id_of(r.request_id)
                    for r in self.scheduler.policy
                    if r.first_scheduled_time is None and now - r.arrival_time > seconds}

@@ -2,21 +2,41 @@
 detokenization, stop strings, and the grouping of ``n`` samples under one
 request.
 
-``CompletionOutput.text`` is the text that is safe to show so far: while a
-request runs, a tail that could still become a stop string is held back, and
-bytes that do not yet form complete UTF-8 are never emitted. A consumer that
-streams takes ``text[len(already_sent):]`` at each step.
+A request's outputs come in one of two kinds (``OutputKind``): ``DELTA``, at
+every step that brings something new, each holding only what is new since the
+previous output (streams); or ``FINAL``, one output with everything once the
+request has finished. Either way the work per step is proportional to what is
+new, not to the length so far. Text is what is safe to show: while a request
+runs, a tail that could still become a stop string is held back, and bytes
+that do not yet form complete UTF-8 are never emitted.
+
+Handling one sequence's new tokens may fail (a detokenizer fault, say): that
+request then ends with finish reason ``error`` and an ``error`` message, and
+the other requests of the step go on.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inflight.core.request import Request
+from inflight.core.request import FinishReason, Request
 from inflight.core.sampling_params import SamplingParams
 from inflight.model.tokenizer import Tokenizer
-from inflight.worker.sampler import TokenLogprobs
+from inflight.worker.runner import TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+class OutputKind(enum.Enum):
+    DELTA = "delta"  # at every step with news: only what is new
+    FINAL = "final"  # once, when finished: everything
+
+
+# Ends a sequence for the output processor: (sequence, reason, stop string).
+FinishSequence = Callable[[Request, FinishReason, "str | None"], None]
 
 
 @dataclass
@@ -28,6 +48,9 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
+    """One sample; under ``OutputKind.DELTA``, ``text``, ``token_ids`` and
+    ``logprobs`` hold only what is new since the previous output."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -70,6 +93,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Set when the request ended because handling its results failed.
+    error: str | None = None
 
 
 class SequenceDetokenizer:
@@ -113,18 +138,23 @@ class SequenceDetokenizer:
 
     def visible_text(self, finished: bool) -> str:
         """The text so far, minus any tail that is a prefix of a stop string."""
+        length = self.visible_length(finished)  # first: it may decode the text
+        return self.text[:length]
+
+    def visible_length(self, finished: bool) -> int:
+        """How much of ``text`` is safe to show."""
         if not self.incremental:
             if finished and self.tokenizer is not None and not self.text:
                 self.text = self.tokenizer.decode(self.request.output_token_ids,
                                                   self.skip_special_tokens)
-            return self.text
+            return len(self.text)
         if finished or not self.stop:
-            return self.text
+            return len(self.text)
         for k in range(min(len(self.text), self.max_stop_len - 1), 0, -1):
             tail = self.text[-k:]
             if any(s.startswith(tail) for s in self.stop):
-                return self.text[:-k]
-        return self.text
+                return len(self.text) - k
+        return len(self.text)
 
 
 @dataclass
@@ -133,21 +163,26 @@ class _Sample:
     detokenizer: SequenceDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
+    # What earlier DELTA outputs carried: characters, tokens, and whether the end.
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_finish: bool = False
 
 
 @dataclass
 class _Group:
     """A caller's request: its samples over one prompt, of which the best
     ``num_returned`` (by cumulative log-probability) are returned when there
-    are more (``best_of``)."""
+    are more (``best_of``, which therefore reports only once finished)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    stream: bool
+    kind: OutputKind
     num_returned: int
     return_logprobs: bool
     samples: list[_Sample] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def ranked(self) -> bool:
@@ -155,28 +190,22 @@ class _Group:
 
 
 class OutputProcessor:
-    """Keeps each request's detokenization state and builds RequestOutputs:
-    at every step for streamed requests, once at the end for the others.
+    """Keeps each request's detokenization state and builds RequestOutputs."""
 
-    ``finish`` ends a sequence whose text hit a stop string (the engine frees
-    its KV blocks in the same step)."""
-
-    def __init__(self, tokenizer: Tokenizer | None,
-                 finish: Callable[[Request, str], None]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
-        self.finish = finish
         self._groups: dict[str, _Group] = {}
         self._sample_of: dict[str, tuple[_Group, _Sample]] = {}  # by sequence request id
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            sequences: list[Request], stream: bool, params: SamplingParams) -> None:
-        """Follow a request's sequences; a ``best_of`` request reports only once
-        finished, even when ``stream``."""
-        group = _Group(request_id, prompt, prompt_token_ids, stream, params.n,
+            sequences: list[Request], kind: OutputKind, params: SamplingParams) -> None:
+        """Follow a request's sequences."""
+        group = _Group(request_id, prompt, prompt_token_ids, kind, params.n,
                        params.logprobs is not None)
         for seq in sequences:
             want = seq.sampling_params.logprobs is not None
-            sample = _Sample(seq, SequenceDetokenizer(self.tokenizer, seq, stream),
+            sample = _Sample(seq, SequenceDetokenizer(self.tokenizer, seq,
+                                                      kind is OutputKind.DELTA),
                              [] if want else None, 0.0 if want else None)
             group.samples.append(sample)
             self._sample_of[seq.request_id] = (group, sample)
@@ -200,37 +229,67 @@ class OutputProcessor:
         group = self._groups.get(request_id)
         return [] if group is None else [s.request.request_id for s in group.samples]
 
-    def process(self, updated: list[Request], logprobs: dict[str, TokenLogprobs],
-                ended: list[Request] = ()) -> list[RequestOutput]:
-        """Take in the new token of each updated sequence (and the sequences that
-        ``ended`` without one); returns an output for each streamed request that
-        progressed and each request that finished (which is then forgotten)."""
+    def process(self, updated: list[tuple[Request, int]],
+                logprobs: dict[str, list[TokenLogprobs]], ended: list[Request],
+                failed: dict[str, str], finish: FinishSequence) -> list[RequestOutput]:
+        """Take in each updated sequence's ``count`` new tokens, the sequences that
+        ``ended`` without one, and the sequences whose step ``failed`` (id ->
+        why); ``finish`` ends a sequence (a stop string, a failure). Returns an
+        output for each DELTA request with news and each finished request
+        (which is then forgotten)."""
         touched: dict[str, _Group] = {}
         for seq in ended:
             entry = self._sample_of.get(seq.request_id)
             if entry is not None:
                 touched[entry[0].request_id] = entry[0]
-        for seq in updated:
+        for seq, count in updated:
             entry = self._sample_of.get(seq.request_id)
             if entry is None:
                 continue
             group, sample = entry
-            stop = sample.detokenizer.add_token(seq.all_token_ids[-1], seq.num_output_tokens)
-            if stop is not None and not seq.is_finished:
-                self.finish(seq, stop)
-            lp = logprobs.get(seq.request_id)
-            if lp is not None and sample.logprobs is not None:
-                sample.logprobs.append(self._logprob_entry(lp))
-                sample.cumulative_logprob += lp.logprob
+            touched[group.request_id] = group
+            try:
+                self._take_tokens(seq, sample, count, logprobs.get(seq.request_id), finish)
+            except Exception as e:  # noqa: BLE001 - one request fails, the others go on
+                logger.exception("handling the output of %s failed", seq.request_id)
+                failed = {**failed, seq.request_id: f"{type(e).__name__}: {e}"}
+        for seq_id, message in failed.items():
+            entry = self._sample_of.get(seq_id)
+            if entry is None:
+                continue
+            group = entry[0]
+            group.error = group.error or message
+            for s in group.samples:  # the whole request fails with its sample
+                if not s.request.is_finished:
+                    finish(s.request, FinishReason.ERROR, None)
             touched[group.request_id] = group
         outputs = []
         for group in touched.values():
             finished = all(s.request.is_finished for s in group.samples)
-            if finished or (group.stream and not group.ranked):
-                outputs.append(self._output(group, finished))
+            if finished or (group.kind is OutputKind.DELTA and not group.ranked):
+                output = self._output(group, finished)
+                if output is not None:
+                    outputs.append(output)
                 if finished:
                     self.remove(group.request_id)
         return outputs
+
+    def _take_tokens(self, seq: Request, sample: _Sample, count: int,
+                     logprobs: list[TokenLogprobs] | None, finish: FinishSequence) -> None:
+        """Detokenize a sequence's ``count`` newest tokens; end it at a stop string."""
+        tokens = seq.all_token_ids
+        num_output = seq.num_output_tokens
+        for k in range(count):
+            stop = sample.detokenizer.add_token(tokens[len(tokens) - count + k],
+                                                num_output - count + k + 1)
+            if stop is not None:
+                if not seq.is_finished:
+                    finish(seq, FinishReason.STOP, stop)
+                break
+        if logprobs and sample.logprobs is not None:
+            for lp in logprobs:
+                sample.logprobs.append(self._logprob_entry(lp))
+                sample.cumulative_logprob += lp.logprob
 
     def _logprob_entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         entry = {tid: Logprob(value, rank + 1, self._decode_one(tid))
@@ -242,21 +301,43 @@ class OutputProcessor:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], False)
 
     @staticmethod
-    def _output(group: _Group, finished: bool) -> RequestOutput:
-        completions = []
+    def _output(group: _Group, finished: bool) -> RequestOutput | None:
+        """The group's output: everything (FINAL, or ranked samples), or what is
+        new since the last one (DELTA; None when nothing is)."""
+        delta = group.kind is OutputKind.DELTA and not group.ranked
         samples = group.samples
         if group.ranked:
             samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[:group.num_returned]
+        completions = []
         for index, sample in enumerate(samples):
             seq = sample.request
+            detok = sample.detokenizer
+            done = seq.is_finished
+            if delta:
+                if sample.sent_finish:
+                    continue
+                visible = detok.visible_length(done)
+                text = detok.text[sample.sent_text:visible]
+                num_output = seq.num_output_tokens
+                token_ids = seq.all_token_ids[seq.num_prompt_tokens + sample.sent_tokens:]
+                logprobs = (sample.logprobs[sample.sent_tokens:num_output]
+                            if group.return_logprobs and sample.logprobs is not None else None)
+                if not text and not token_ids and not done:
+                    continue
+                sample.sent_text, sample.sent_tokens, sample.sent_finish = visible, num_output, done
+            else:
+                text = detok.visible_text(done)
+                token_ids = seq.output_token_ids
+                logprobs = sample.logprobs if group.return_logprobs else None
             completions.append(CompletionOutput(
                 index=index,
-                text=sample.detokenizer.visible_text(seq.is_finished),
-                token_ids=seq.output_token_ids,
+                text=text, token_ids=token_ids,
                 cumulative_logprob=sample.cumulative_logprob,
-                logprobs=sample.logprobs if group.return_logprobs else None,
+                logprobs=logprobs,
                 finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
                 stop_reason=seq.stop_reason))
+        if delta and not completions and not finished:
+            return None
         seqs = [s.request for s in group.samples]
         metrics = RequestMetrics(
             arrival_time=seqs[0].arrival_time,
@@ -269,4 +350,4 @@ class OutputProcessor:
             history=sorted((t, event, detail, i) for i, s in enumerate(seqs)
                            for event, t, detail in s.history) if finished else None)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             finished, metrics)
+                             finished, metrics, group.error if finished else None)

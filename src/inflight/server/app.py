@@ -17,11 +17,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inflight.engine.async_engine import (AsyncEngine, EngineDeadError, QueueFullError,
-                                          QueueTimeoutError)
+from inflight.engine.async_engine import (EngineDeadError, QueueFullError, QueueTimeoutError,
+                                          RequestAbortedError, RequestFailedError)
+from inflight.engine.client import EngineClient
 from inflight.server import protocol as p
 from inflight.server.metrics import EngineMetrics
-from inflight.server.openai_serving import InvalidRequest, OpenAIServing, check_text, error_json
+from inflight.server.openai_serving import InvalidRequest, OpenAIServing, check_body, error_json
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,10 @@ def _to_api_error(e: BaseException) -> APIError:
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), "server_error", code="engine_dead")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, f"the request failed: {e}", "server_error", code="request_failed")
+    if isinstance(e, RequestAbortedError):
+        return APIError(499, str(e), "invalid_request_error", code="aborted")
     logger.exception("unexpected error", exc_info=e)
     return APIError(500, "internal error", "server_error")
 
@@ -74,7 +79,7 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param
 
 
-def build_app(engine: AsyncEngine, *, model_name: str, metrics: EngineMetrics,
+def build_app(engine: EngineClient, *, model_name: str, metrics: EngineMetrics,
               api_key: str | None = None) -> FastAPI:
     serving = OpenAIServing(engine, model_name)
     app = FastAPI(title="inflight", version="0.1.0")
@@ -104,10 +109,13 @@ def build_app(engine: AsyncEngine, *, model_name: str, metrics: EngineMetrics,
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise APIError(400, "We could not parse the JSON body of your request.",
                            "invalid_request_error") from None
+        except RecursionError:  # the decoder recurses once per nesting level
+            raise APIError(400, "The JSON body of your request is nested too deeply.",
+                           "invalid_request_error") from None
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object.", "invalid_request_error")
         try:
-            check_text(body)
+            check_body(body)
         except InvalidRequest as e:
             raise _to_api_error(e) from None
         try:
@@ -148,7 +156,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, metrics: EngineMetrics,
 
     @app.get("/v1/models")
     async def models() -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=model_name, max_model_len=engine.core.max_model_len)])
+        return p.ModelList(data=[p.ModelCard(id=model_name,
+                                             max_model_len=engine.model_info.max_model_len)])
 
     @app.get("/health")
     async def health() -> Response:
@@ -170,32 +179,31 @@ def build_app(engine: AsyncEngine, *, model_name: str, metrics: EngineMetrics,
     @app.post("/tokenize")
     async def tokenize(request: Request) -> p.TokenizeResponse:
         req = await parse(request, p.TokenizeRequest)
-        tokenizer = serving.tokenizer
-        if tokenizer is None:
+        if not engine.has_tokenizer:
             raise APIError(400, "this server has no tokenizer", "invalid_request_error")
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "invalid_request_error",
                            "prompt")
         if req.messages is not None:
-            text = tokenizer.apply_chat_template(
+            text = engine.apply_chat_template(
                 [m.model_dump(exclude_none=True) for m in req.messages], req.add_generation_prompt)
-            tokens = tokenizer.encode(text, add_special_tokens=False)
+            tokens = engine.encode(text, add_special_tokens=False)
         else:
-            tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            tokens = engine.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return p.TokenizeResponse(tokens=tokens, count=len(tokens),
-                                  max_model_len=engine.core.max_model_len)
+                                  max_model_len=engine.model_info.max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> p.DetokenizeResponse:
         req = await parse(request, p.DetokenizeRequest)
-        if serving.tokenizer is None:
+        if not engine.has_tokenizer:
             raise APIError(400, "this server has no tokenizer", "invalid_request_error")
-        vocab = engine.core.model_config.vocab_size
+        vocab = engine.model_info.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token {bad} is outside the vocabulary [0, {vocab})",
                            "invalid_request_error", "tokens")
-        return p.DetokenizeResponse(prompt=serving.tokenizer.decode(req.tokens, False))
+        return p.DetokenizeResponse(prompt=engine.decode(req.tokens, False))
 
     return app
 
@@ -236,7 +244,7 @@ async def _stream_response(chunks: AsyncIterator[str]) -> Response:
             yield first
             async for chunk in chunks:
                 yield chunk
-        except (QueueTimeoutError, EngineDeadError) as e:
+        except (QueueTimeoutError, EngineDeadError, RequestFailedError, RequestAbortedError) as e:
             err = _to_api_error(e)
             yield f"data: {json.dumps(error_json(str(err), err.kind, err.param, err.code))}\n\n"
             yield "data: [DONE]\n\n"

@@ -44,5 +44,6 @@ def make_server(config: EngineConfig, *, api_key: str | None = None,
                          max_waiting_per_tenant=max_waiting_per_tenant,
                          max_queue_wait=max_queue_wait, on_step=metrics.on_step,
                          on_abort=metrics.on_abort)
+    metrics.watch(engine.load)
     logger.info("serving %s", name)
     return engine, build_app(engine, model_name=name, metrics=metrics, api_key=api_key)

@@ -1,9 +1,17 @@
-"""Prometheus metrics, named like vLLM's under the ``inflight:`` prefix."""
+"""Prometheus metrics, named like vLLM's under the ``inflight:`` prefix.
+
+Gauges (running, waiting, KV usage) are read from the engine's load snapshot
+when scraped, so they are current even when no step runs (an abort on an idle
+engine); counters and histograms are fed by the engine loop after each step.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from inflight.engine.client import EngineLoad
 from inflight.engine.engine_core import StepStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -63,10 +71,13 @@ class EngineMetrics:
             "inflight:request_generation_tokens", "Tokens generated per finished sequence.",
             TOKEN_BUCKETS)
 
+    def watch(self, load: Callable[[], EngineLoad]) -> None:
+        """Read the gauges from ``load()`` at every scrape."""
+        self.num_running.set_function(lambda: load().num_running)
+        self.num_waiting.set_function(lambda: load().num_waiting)
+        self.kv_usage.set_function(lambda: load().kv_cache_usage)
+
     def on_step(self, stats: StepStats) -> None:
-        self.num_running.set(stats.num_running)
-        self.num_waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
         if stats.num_tokens:
             self.iteration_tokens.observe(stats.num_tokens)
         if stats.num_preempted:

@@ -1,16 +1,18 @@
 """The two generation endpoints: OpenAI request -> engine requests -> OpenAI
-response, whole or as server-sent events."""
+response, whole or as server-sent events. Everything goes through the
+EngineClient: a whole response waits for the one final output of each engine
+request; a stream relays the deltas."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.core.sampling_params import SamplingParams
-from inflight.engine.async_engine import AsyncEngine
+from inflight.engine.client import EngineClient
 from inflight.engine.output import CompletionOutput, Logprob, RequestOutput
 from inflight.server import protocol as p
 
@@ -23,20 +25,37 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
-def check_text(value: Any, param: str = "body") -> None:
-    """Refuse strings that are not valid Unicode (lone surrogates from \\u escapes)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidRequest(f"{param} contains an invalid Unicode escape (lone surrogate)",
-                                 param) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_text(item, f"{param}.{key}" if param != "body" else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            check_text(item, f"{param}[{i}]")
+# Deepest nesting of arrays and objects a request body may have (OpenAI's
+# bodies need fewer than ten levels).
+MAX_JSON_DEPTH = 64
+
+
+def check_body(body: Any) -> None:
+    """Refuse bodies nested deeper than MAX_JSON_DEPTH, and strings that are not
+    valid Unicode (lone surrogates from \\u escapes). Iterative: no recursion
+    limit to hit, whatever the body."""
+    stack: list[tuple[Any, str, int]] = [(body, "body", 0)]
+    while stack:
+        value, param, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest(f"{param} contains an invalid Unicode escape "
+                                     "(lone surrogate)", param) from None
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise InvalidRequest(f"the request body is nested more than {MAX_JSON_DEPTH} "
+                                 "levels deep")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((item, f"{param}.{key}" if param != "body" else str(key),
+                              depth + 1))
+        else:
+            for i, item in enumerate(value):
+                stack.append((item, f"{param}[{i}]", depth + 1))
 
 
 def sampling_params(req: p.CompletionRequest | p.ChatCompletionRequest, *, max_tokens: int | None,
@@ -61,26 +80,44 @@ def sampling_params(req: p.CompletionRequest | p.ChatCompletionRequest, *, max_t
 
 
 @dataclass
+class _Delta:
+    """What one stream chunk carries for one choice."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]]
+    text_offset: int
+    finish_reason: str | None
+
+
+@dataclass
 class _Choice:
-    """How much of one generated sequence a stream has sent."""
+    """One generated sequence of a stream: what it has sent, and the tokens
+    received whose text is still held back (they go out with the next text)."""
 
     index: int
     sent_text: int = 0
-    sent_tokens: int = 0
+    num_tokens: int = 0
     finish_reason: str | None = None
+    echoed: bool = False  # the prompt went out (completions with echo)
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
 
-    def advance(self, c: CompletionOutput) -> tuple[str, int, int] | None:
-        """What to send now: (new text, index of its first token, text offset),
-        or None when there is nothing new."""
+    def advance(self, c: CompletionOutput) -> _Delta | None:
+        """Take in one delta output; what to send now, or None."""
         if self.finish_reason is not None:
             return None
-        delta = c.text[self.sent_text:]
-        if not delta and c.finish_reason is None:
+        self.pending_ids += c.token_ids
+        self.pending_logprobs += c.logprobs or []
+        self.num_tokens += len(c.token_ids)
+        if not c.text and c.finish_reason is None:
             return None
-        first_token, offset = self.sent_tokens, self.sent_text
-        self.sent_text, self.sent_tokens = len(c.text), len(c.token_ids)
+        delta = _Delta(c.text, self.pending_ids, self.pending_logprobs, self.sent_text,
+                       c.finish_reason)
+        self.pending_ids, self.pending_logprobs = [], []
+        self.sent_text += len(c.text)
         self.finish_reason = c.finish_reason
-        return delta, first_token, offset
+        return delta
 
 
 def scheduling(req: p.CompletionRequest | p.ChatCompletionRequest) -> dict[str, Any]:
@@ -89,15 +126,31 @@ def scheduling(req: p.CompletionRequest | p.ChatCompletionRequest) -> dict[str, 
             "expected_output_tokens": req.expected_output_tokens, "cache_salt": req.cache_salt}
 
 
-async def _merged(engine: AsyncEngine, prompts: list[Any], params: SamplingParams,
-                  base_id: str, options: dict[str, Any]
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                  param: str) -> None:
+    """An explicit ``max_tokens`` must fit in the context with the prompt (an
+    omitted one means "up to the context"); a prompt alone must fit too."""
+    if num_prompt_tokens > max_model_len:
+        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens, "
+                             f"but the prompt has {num_prompt_tokens} tokens "
+                             f"(more than max_model_len={max_model_len}).", "prompt")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} in the completion). Reduce the length of the prompt or "
+            f"{param}.", param)
+
+
+async def _merged(engine: EngineClient, prompts: list[Any], params: SamplingParams,
+                  base_id: str, options: dict[str, Any], stream: bool
                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run one engine request per prompt and yield (prompt index, output) as
     they come; abandoning the iterator aborts whatever still runs."""
     if len(prompts) == 1:
         async with aclosing(engine.generate(prompts[0], params, request_id=base_id,
-                                            **options)) as stream:
-            async for out in stream:
+                                            stream=stream, **options)) as outputs:
+            async for out in outputs:
                 yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -106,8 +159,8 @@ async def _merged(engine: AsyncEngine, prompts: list[Any], params: SamplingParam
     async def pump(i: int, prompt: Any) -> None:
         try:
             async with aclosing(engine.generate(prompt, params, request_id=f"{base_id}-{i}",
-                                                **options)) as stream:
-                async for out in stream:
+                                                stream=stream, **options)) as outputs:
+                async for out in outputs:
                     await queue.put((i, out))
             await queue.put((i, done))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
@@ -146,13 +199,18 @@ def _history(outputs: list[RequestOutput]) -> dict[str, Any]:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = engine.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.model_info.max_model_len
 
     # -------------------------------------------------------- completions
     def completion_inputs(self, req: p.CompletionRequest) -> tuple[list[Any], SamplingParams]:
+        """Engine prompts (tokenized here, so that the context check sees their
+        length) and sampling parameters; runs off the event loop."""
         if req.suffix:
             raise InvalidRequest("suffix is not supported", "suffix")
         if req.stream and req.best_of is not None and req.best_of > req.n:
@@ -161,26 +219,37 @@ class OpenAIServing:
             raise InvalidRequest("echo with logprobs is not supported", "echo")
         prompt = req.prompt
         if isinstance(prompt, str):
-            prompts: list[Any] = [prompt]
+            texts: list[Any] = [prompt]
         elif prompt and isinstance(prompt[0], int):
-            prompts = [{"prompt_token_ids": prompt}]
-        elif prompt and isinstance(prompt[0], list):
-            prompts = [{"prompt_token_ids": ids} for ids in prompt]
+            texts = [prompt]
         else:
-            prompts = list(prompt)
-        if not prompts:
+            texts = list(prompt)
+        if not texts:
             raise InvalidRequest("prompt must not be empty", "prompt")
+        prompts = []
+        for item in texts:
+            if isinstance(item, str):
+                if not item:
+                    raise InvalidRequest("prompt must not be empty", "prompt")
+                if not self.engine.has_tokenizer:
+                    raise InvalidRequest("this server has no tokenizer: send token ids",
+                                         "prompt")
+                prompts.append({"prompt": item, "prompt_token_ids": self.engine.encode(item)})
+            else:
+                prompts.append({"prompt_token_ids": item})
+            check_context(len(prompts[-1]["prompt_token_ids"]), req.max_tokens,
+                          self.max_model_len, "max_tokens")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         return prompts, sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                                         best_of=req.best_of)
 
     async def completion(self, req: p.CompletionRequest, request_id: str) -> p.CompletionResponse:
-        prompts, params = self.completion_inputs(req)
+        prompts, params = await asyncio.to_thread(self.completion_inputs, req)
         finals: dict[int, RequestOutput] = {}
-        async with aclosing(_merged(self.engine, prompts, params, request_id, scheduling(req))) as it:
+        async with aclosing(_merged(self.engine, prompts, params, request_id, scheduling(req),
+                                    stream=False)) as it:
             async for i, out in it:
-                if out.finished:
-                    finals[i] = out
+                finals[i] = out
         outputs = [finals[i] for i in range(len(prompts))]
         choices = []
         for i, out in enumerate(outputs):
@@ -188,35 +257,37 @@ class OpenAIServing:
                 text = self._echo(out) + c.text if req.echo else c.text
                 choices.append(p.CompletionChoice(
                     index=i * req.n + c.index, text=text, finish_reason=c.finish_reason,
-                    logprobs=self._completion_logprobs(c, 0, len(c.token_ids), 0, req.logprobs)
+                    logprobs=_completion_logprobs(c.token_ids, c.logprobs or [], 0, req.logprobs)
                     if req.logprobs is not None else None))
         return p.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                     usage=_usage(outputs), inflight=_history(outputs))
 
     async def completion_stream(self, req: p.CompletionRequest, request_id: str
                                 ) -> AsyncIterator[str]:
-        prompts, params = self.completion_inputs(req)
+        prompts, params = await asyncio.to_thread(self.completion_inputs, req)
         created = p.now()
         choices: dict[tuple[int, int], _Choice] = {}
         finals: dict[int, RequestOutput] = {}
         usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
-        async with aclosing(_merged(self.engine, prompts, params, request_id, scheduling(req))) as it:
+        async with aclosing(_merged(self.engine, prompts, params, request_id, scheduling(req),
+                                    stream=True)) as it:
             async for i, out in it:
                 parts = []
                 for c in out.outputs:
                     state = choices.setdefault((i, c.index), _Choice(i * req.n + c.index))
-                    step = state.advance(c)
-                    if step is None:
+                    delta = state.advance(c)
+                    if delta is None:
                         continue
-                    delta, first_token, offset = step
-                    if req.echo and first_token == 0 and offset == 0:
-                        delta = self._echo(out) + delta
-                    logprobs = (self._completion_logprobs(c, first_token, len(c.token_ids),
-                                                          offset, req.logprobs)
+                    text = delta.text
+                    if req.echo and not state.echoed:
+                        text = self._echo(out) + text
+                        state.echoed = True
+                    logprobs = (_completion_logprobs(delta.token_ids, delta.logprobs,
+                                                     delta.text_offset, req.logprobs)
                                 if req.logprobs is not None else None)
-                    parts.append(p.CompletionChoice(index=state.index, text=delta,
+                    parts.append(p.CompletionChoice(index=state.index, text=text,
                                                     logprobs=logprobs,
-                                                    finish_reason=c.finish_reason))
+                                                    finish_reason=delta.finish_reason))
                 if out.finished:
                     finals[i] = out
                 # The history goes with the last chunk: this one, unless usage follows.
@@ -228,32 +299,16 @@ class OpenAIServing:
                                                  inflight=history))
         outputs = [finals[i] for i in sorted(finals)]
         if usage_chunk:
+            completion_tokens = sum(c.num_tokens for c in choices.values())
             yield _sse(p.CompletionChunk(id=request_id, created=created, model=self.model_name,
-                                         choices=[], usage=_usage(outputs),
+                                         choices=[], usage=_usage(outputs, completion_tokens),
                                          inflight=_history(outputs)))
         yield "data: [DONE]\n\n"
 
     def _echo(self, out: RequestOutput) -> str:
         if out.prompt is not None:
             return out.prompt
-        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer else ""
-
-    @staticmethod
-    def _completion_logprobs(c: CompletionOutput, start: int, end: int, text_offset: int,
-                             top_n: int) -> p.CompletionLogprobs:
-        result = p.CompletionLogprobs()
-        offset = text_offset
-        for token_id, entry in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
-            chosen = entry[token_id]
-            token = chosen.decoded_token or ""
-            result.tokens.append(token)
-            result.token_logprobs.append(chosen.logprob)
-            result.text_offset.append(offset)
-            offset += len(token)
-            result.top_logprobs.append({
-                (lp.decoded_token or ""): lp.logprob
-                for lp in sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]})
-        return result
+        return self.engine.decode(out.prompt_token_ids) if self.engine.has_tokenizer else ""
 
     # --------------------------------------------------------------- chat
     def chat_inputs(self, req: p.ChatCompletionRequest) -> tuple[dict[str, Any], SamplingParams]:
@@ -262,32 +317,34 @@ class OpenAIServing:
         if req.response_format is not None and req.response_format.type != "text":
             raise InvalidRequest(f"response_format {req.response_format.type!r} is not supported",
                                  "response_format")
-        if self.tokenizer is None:
+        if not self.engine.has_tokenizer:
             raise InvalidRequest("this server has no tokenizer for chat", "messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         for m in messages:
             if isinstance(m.get("content"), list):
                 m["content"] = "".join(part["text"] for part in m["content"])
-        text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
-        prompt = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, False)}
+        text = self.engine.apply_chat_template(messages, req.add_generation_prompt)
+        prompt = {"prompt": text, "prompt_token_ids": self.engine.encode(text, False)}
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs to be true", "top_logprobs")
         max_tokens = req.max_completion_tokens or req.max_tokens
+        check_context(len(prompt["prompt_token_ids"]), max_tokens, self.max_model_len,
+                      "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
         return prompt, sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
 
     async def chat(self, req: p.ChatCompletionRequest, request_id: str) -> p.ChatCompletionResponse:
         prompt, params = await asyncio.to_thread(self.chat_inputs, req)
         final = None
         async with aclosing(self.engine.generate(prompt, params, request_id=request_id,
-                                                 **scheduling(req))) as stream:
-            async for out in stream:
+                                                 stream=False, **scheduling(req))) as outputs:
+            async for out in outputs:
                 final = out
         assert final is not None and final.finished
         choices = [p.ChatChoice(index=c.index, message=p.ChatMessageOut(content=c.text),
                                 finish_reason=c.finish_reason,
-                                logprobs=self._chat_logprobs(c, 0, len(c.token_ids),
-                                                             req.top_logprobs or 0)
+                                logprobs=_chat_logprobs(c.token_ids, c.logprobs or [],
+                                                        req.top_logprobs or 0)
                                 if req.logprobs else None)
                    for c in final.outputs]
         return p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
@@ -305,8 +362,8 @@ class OpenAIServing:
                                               model=self.model_name, choices=choices, **extra))
 
         async with aclosing(self.engine.generate(prompt, params, request_id=request_id,
-                                                 **scheduling(req))) as stream:
-            async for out in stream:
+                                                 stream=True, **scheduling(req))) as outputs:
+            async for out in outputs:
                 if final is None:  # after the first output, so errors come before any chunk
                     yield chunk([p.ChatStreamChoice(index=i, delta=p.ChatDelta(role="assistant",
                                                                                content=""))
@@ -314,33 +371,52 @@ class OpenAIServing:
                 final = out
                 parts = []
                 for c in out.outputs:
-                    step = states[c.index].advance(c)
-                    if step is None:
+                    delta = states[c.index].advance(c)
+                    if delta is None:
                         continue
-                    delta, first_token, _ = step
-                    logprobs = (self._chat_logprobs(c, first_token, len(c.token_ids),
-                                                    req.top_logprobs or 0)
+                    logprobs = (_chat_logprobs(delta.token_ids, delta.logprobs,
+                                               req.top_logprobs or 0)
                                 if req.logprobs else None)
-                    parts.append(p.ChatStreamChoice(index=c.index, delta=p.ChatDelta(content=delta),
+                    parts.append(p.ChatStreamChoice(index=c.index,
+                                                    delta=p.ChatDelta(content=delta.text),
                                                     logprobs=logprobs,
-                                                    finish_reason=c.finish_reason))
+                                                    finish_reason=delta.finish_reason))
                 # The history goes with the last chunk: this one, unless usage follows.
                 last = out.finished and not usage_chunk
                 if parts or last:
                     yield chunk(parts, inflight=_history([out]) if last else None)
         if usage_chunk and final is not None:
-            yield chunk([], usage=_usage([final]), inflight=_history([final]))
+            completion_tokens = sum(s.num_tokens for s in states)
+            yield chunk([], usage=_usage([final], completion_tokens), inflight=_history([final]))
         yield "data: [DONE]\n\n"
 
-    @staticmethod
-    def _chat_logprobs(c: CompletionOutput, start: int, end: int, top_n: int) -> p.ChatLogprobs:
-        content = []
-        for token_id, entry in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
-            top = sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]
-            content.append(p.TokenLogprob(**_token_fields(entry[token_id]),
-                                          top_logprobs=[p.TopLogprob(**_token_fields(lp))
-                                                        for lp in top]))
-        return p.ChatLogprobs(content=content)
+
+def _completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
+                         text_offset: int, top_n: int) -> p.CompletionLogprobs:
+    result = p.CompletionLogprobs()
+    offset = text_offset
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry[token_id]
+        token = chosen.decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(chosen.logprob)
+        result.text_offset.append(offset)
+        offset += len(token)
+        result.top_logprobs.append({
+            (lp.decoded_token or ""): lp.logprob
+            for lp in sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]})
+    return result
+
+
+def _chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
+                   top_n: int) -> p.ChatLogprobs:
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        top = sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]
+        content.append(p.TokenLogprob(**_token_fields(entry[token_id]),
+                                      top_logprobs=[p.TopLogprob(**_token_fields(lp))
+                                                    for lp in top]))
+    return p.ChatLogprobs(content=content)
 
 
 def _token_fields(lp: Logprob) -> dict[str, Any]:
@@ -348,12 +424,15 @@ def _token_fields(lp: Logprob) -> dict[str, Any]:
     return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
 
 
-def _usage(outputs: list[RequestOutput]) -> p.Usage:
+def _usage(outputs: list[RequestOutput], completion_tokens: int | None = None) -> p.Usage:
+    """Token counts of final outputs; a stream passes the completion tokens it
+    counted from its deltas."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    if completion_tokens is None:
+        completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.metrics.num_cached_tokens for o in outputs)
-    return p.Usage(prompt_tokens=prompt, completion_tokens=completion,
-                   total_tokens=prompt + completion,
+    return p.Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
+                   total_tokens=prompt + completion_tokens,
                    prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
 
 

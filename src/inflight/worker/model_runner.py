@@ -1,5 +1,6 @@
 """SchedulerOutput -> flat tensors -> model -> sampler -> one token per request
-that reached the end of its known tokens.
+that reached the end of its known tokens. ``worker.load`` builds it from an
+EngineConfig.
 
 The step's tokens are laid out request after request: ``input_ids[T]``,
 ``positions[T]`` and ``slot_mapping[T]``, with ``query_start_loc[B+1]`` marking
@@ -11,7 +12,6 @@ prompt samples nothing).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,38 +19,37 @@ from torch import nn
 
 from inflight.attention.backend import AttentionBackend, BatchLayout
 from inflight.core.scheduler import SchedulerOutput
-from inflight.worker.sampler import Sampler, SamplingRow, TokenLogprobs
-
-
-@dataclass
-class RunnerOutput:
-    """Aligned with ``SchedulerOutput.requests``: a token (or None) per request."""
-
-    sampled_token_ids: list[int | None]
-    logprobs: list[TokenLogprobs | None]
+from inflight.worker.runner import RunnerOutput, TokenLogprobs
+from inflight.worker.sampler import Sampler, SamplingRow
 
 
 class ModelRunner:
+    """Implements ``worker.runner.Runner`` with a real model."""
+
     def __init__(self, model: nn.Module, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int,
-                 num_host_blocks: int = 0) -> None:
+                 max_model_len: int, num_host_blocks: int = 0,
+                 num_parameters: int | None = None) -> None:
         cfg = model.config
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        self.kv_caches = backend.allocate_kv_cache(
-            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
-            cfg.head_dim, dtype, device)
-        # Where swapped-out KV blocks wait: host memory, same layout, pinned for
-        # fast copies from a GPU, and touched now (zero-filled) rather than page
-        # by page in the middle of a swap, where first-touch page faults made a
-        # step ten times slower.
-        shape = (num_host_blocks, block_size)
-        self.host_kv_caches = [
-            tuple(torch.zeros(cfg.num_key_value_heads, *shape, cfg.head_dim, dtype=dtype,
-                              pin_memory=device.type == "cuda") for _ in range(2))
-            for _ in range(cfg.num_hidden_layers)] if num_host_blocks else []
+        self.dtype = dtype
+        self.num_kv_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.max_model_len = max_model_len
+        # Parameters as stored (a tied embedding once), counted before packing.
+        self.num_parameters = (sum(p.numel() for p in model.parameters())
+                               if num_parameters is None else num_parameters)
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                 cfg.head_dim, dtype)
+        self.kv_caches = backend.allocate_kv_cache(*shape, device)
+        # Where swapped-out KV blocks wait: host memory, pinned for fast copies
+        # from a GPU.
+        self.host_kv_caches = backend.allocate_host_cache(
+            cfg.num_hidden_layers, num_host_blocks, block_size, cfg.num_key_value_heads,
+            cfg.head_dim, dtype, pin_memory=device.type == "cuda") if num_host_blocks else []
         self.sampler = Sampler(device, seed)
         # Per-request generators of seeded requests; they survive preemption.
         self._generators: dict[str, torch.Generator] = {}
@@ -124,24 +123,11 @@ class ModelRunner:
         one may be reused by the next). Runs before ``execute``, even for a step
         that computes nothing."""
         if out.copy_blocks:
-            src, dst = (torch.tensor(ids, dtype=torch.long, device=self.device)
-                        for ids in zip(*out.copy_blocks))
-            for layer_kv in self.kv_caches:
-                for cache in layer_kv:
-                    cache.index_copy_(1, dst, cache.index_select(1, src))
-        for pairs, to_host in ((out.swap_out, True), (out.swap_in, False)):
-            if not pairs:
-                continue
-            first, second = zip(*pairs)  # (device, host) out; (host, device) in
-            src_ids = torch.tensor(first, dtype=torch.long)
-            dst_ids = torch.tensor(second, dtype=torch.long)
-            for device_kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
-                for dev, host in zip(device_kv, host_kv):
-                    if to_host:
-                        host.index_copy_(1, dst_ids, dev.index_select(1, src_ids.to(dev.device)).cpu())
-                    else:
-                        dev.index_copy_(1, dst_ids.to(dev.device),
-                                        host.index_select(1, src_ids).to(dev.device))
+            self.backend.copy_blocks(self.kv_caches, out.copy_blocks)
+        if out.swap_out:
+            self.backend.swap_blocks(self.kv_caches, self.host_kv_caches, out.swap_out)
+        if out.swap_in:
+            self.backend.swap_blocks(self.host_kv_caches, self.kv_caches, out.swap_in)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -151,13 +137,20 @@ class ModelRunner:
         device = self.device
         metadata = self.backend.build_metadata(layout, device)
         hidden = self.model(input_ids.to(device), positions.to(device), self.kv_caches, metadata)
-        sampled: list[int | None] = [None] * len(out.requests)
-        logprobs: list[TokenLogprobs | None] = [None] * len(out.requests)
+        num_reqs = len(out.requests)
+        sampled: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in range(num_reqs)]
+        errors: dict[int, str] = {}
         if sample_rows:
             logits_index = torch.from_numpy(layout.query_start_loc[np.array(sample_rows) + 1] - 1)
             logits = self.model.compute_logits(hidden[logits_index.to(device)])
             result = self.sampler.sample(logits, self._sampling_rows(out, sample_rows))
-            for row, token, lp in zip(sample_rows, result.token_ids, result.logprobs):
-                sampled[row] = token
-                logprobs[row] = lp
-        return RunnerOutput(sampled, logprobs)
+            for k, (row, token, lp) in enumerate(zip(sample_rows, result.token_ids,
+                                                     result.logprobs)):
+                if k in result.errors:
+                    errors[row] = result.errors[k]
+                    continue
+                sampled[row].append(token)
+                if lp is not None:
+                    logprobs[row].append(lp)
+        return RunnerOutput(sampled, logprobs, errors)

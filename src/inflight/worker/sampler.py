@@ -5,6 +5,10 @@ Random rows are drawn with the exponential race (``argmax(p / E)`` with
 ``E ~ Exp(1)`` is a sample from ``p``). A seeded request draws its ``E`` row
 from its own generator, so its samples do not depend on what else is in the
 batch. Log-probabilities are those of the model's raw distribution.
+
+A row whose logits are not all finite (a numerical fault) samples nothing:
+the sampler reports it, and the engine ends that request with an error while
+the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from inflight.core.sampling_params import SamplingParams
+from inflight.worker.runner import TokenLogprobs
 
 
 @dataclass
@@ -34,20 +39,10 @@ class SamplingRow:
 
 
 @dataclass
-class TokenLogprobs:
-    """The sampled token's log-probability and rank, and the top-n alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top_token_ids: list[int]
-    top_logprobs: list[float]
-
-
-@dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # meaningless for the rows in ``errors``
     logprobs: list[TokenLogprobs | None]
+    errors: dict[int, str]  # row -> what was wrong with its logits
 
 
 class Sampler:
@@ -60,6 +55,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample one token per row of ``logits`` ``[S, V]`` (modified in place)."""
         logits = logits.float()
+        errors = self._non_finite_rows(logits)
         want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in want_logprobs) else None)
@@ -79,7 +75,18 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             logprobs = self._logprobs(raw_logprobs, tokens, token_list, want_logprobs)
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, logprobs, errors)
+
+    @staticmethod
+    def _non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
+        """Rows holding NaN or infinite logits (one reduction finds them), which
+        are then zeroed so that the rest of the batch samples as usual."""
+        sums = logits.sum(dim=-1)
+        if bool(torch.isfinite(sums).all()):
+            return {}
+        bad = (~torch.isfinite(sums)).nonzero().flatten().tolist()
+        logits[bad] = 0.0
+        return {row: "the model produced non-finite logits" for row in bad}
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
                 greedy: list[bool]) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""The one interface a front end (the HTTP server, later a Ray ingress) talks
+to: generate, abort, model facts, tokenizer operations and load figures. The
+in-process ``AsyncEngine`` implements it; a proxy over remote replicas can too,
+so the server never reaches into an engine's internals."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from inflight.core.sampling_params import SamplingParams
+from inflight.engine.output import RequestOutput
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an autoscaler or a router reads: a snapshot, current to within one
+    engine step (and refreshed after aborts on an idle engine)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_cache_usage: float = 0.0   # fraction of KV blocks held by requests
+    num_cached_blocks: int = 0    # blocks findable in the prefix cache
+
+
+class EngineClient(Protocol):
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped, if it failed (then nothing can be served)."""
+
+    def load(self) -> EngineLoad: ...
+
+    def generate(self, prompt: Any, params: SamplingParams, *, request_id: str | None = None,
+                 stream: bool = True, **scheduling: Any) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes: with ``stream``, each output
+        holds only what is new since the last (deltas), else there is one final
+        output with everything. Closing the iterator early aborts the request."""
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def reset_prefix_cache(self) -> int: ...
+
+    # Tokenizer operations; ValueError when the engine has no tokenizer.
+    @property
+    def has_tokenizer(self) -> bool: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str: ...

@@ -1,0 +1,66 @@
+"""Builds an EngineCore from an EngineConfig: the tokenizer and model facts,
+the runner (the real one unless another is passed in), the KV cache manager
+sized by the runner, the scheduler and its policy, the output processor."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from inflight.config import EngineConfig
+from inflight.core.kv_cache_manager import KVCacheManager
+from inflight.core.policy import PolicyConfig, make_policy
+from inflight.core.scheduler import Clock, Scheduler
+from inflight.core.static_scheduler import StaticBatchScheduler
+from inflight.engine.client import ModelInfo
+from inflight.engine.engine_core import EngineCore
+from inflight.engine.output import OutputProcessor
+from inflight.model.loader import (eos_token_ids, model_display_name, read_model_config,
+                                   resolve_model_dir)
+from inflight.model.tokenizer import Tokenizer
+from inflight.worker.runner import Runner
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
+                      runner: Runner | None = None, clock: Clock = time.time) -> EngineCore:
+    """``model_stub`` puts a no-op model in the real runner (benchmarks of the
+    machinery around the forward pass); ``runner`` replaces the real runner
+    altogether (a stub, a cost model)."""
+    start = time.perf_counter()
+    model_dir = resolve_model_dir(config.model)
+    model_config = read_model_config(model_dir)
+    tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(model_dir)
+    eos = frozenset(eos_token_ids(model_dir, model_config, tokenizer))
+    if runner is None:
+        from inflight.worker.load import load_runner  # torch: only for the real runner
+
+        stub_token = None
+        if model_stub:
+            special = eos | (tokenizer.special_token_ids if tokenizer else frozenset())
+            stub_token = next(t for t in range(model_config.vocab_size) if t not in special)
+        runner = load_runner(config, model_dir, model_config, stub_token_id=stub_token)
+    kv_cache = KVCacheManager(runner.num_kv_blocks, config.block_size, runner.num_host_blocks,
+                              enable_caching=config.enable_prefix_caching)
+    scheduler_class = StaticBatchScheduler if config.scheduling == "static" else Scheduler
+    scheduler = scheduler_class(
+        kv_cache,
+        make_policy(config.scheduling_policy,
+                    PolicyConfig(config.priority_aging, config.sjf_aging)),
+        clock=clock,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=runner.max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        preemption_mode=config.preemption_mode,
+        preempt_for_priority=config.preempt_for_priority,
+        drop_expired=config.drop_expired,
+        max_running_per_tenant=config.max_running_per_tenant)
+    info = ModelInfo(name=model_display_name(config.model), max_model_len=runner.max_model_len,
+                     vocab_size=model_config.vocab_size)
+    core = EngineCore(scheduler, runner, OutputProcessor(tokenizer), model=info,
+                      tokenizer=tokenizer, eos_token_ids=eos, clock=clock)
+    core.load_seconds = time.perf_counter() - start
+    logger.info("loaded %s in %.1f s", info.name, core.load_seconds)
+    return core
