@@ -41,7 +41,7 @@ class FakeRunner:
                   if r.sampling_params.seed in self.fail_seeds and tokens[row]}
         for row in errors:
             tokens[row] = []
-        return RunnerOutput(tokens, [[] for _ in tokens], errors)
+        return RunnerOutput(tokens, {}, errors)
 
 
 class VirtualClock:

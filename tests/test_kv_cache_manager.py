@@ -52,3 +52,20 @@ def test_blocks_are_never_owned_twice_or_lost(num_blocks, block_size, ops):
         assert len(owned) == len(set(owned)), "a block is owned twice"
         assert len(owned) + kv.num_free_blocks == num_blocks, "a block was lost"
         assert set(owned).isdisjoint(kv._free)
+
+
+def test_host_blocks_read_by_a_swap_in_are_not_reused_in_the_same_step():
+    """The worker runs a step's swap-outs before its swap-ins: a swap-out given
+    the host blocks a swap-in of the same step still has to read would
+    overwrite that KV first (found by the all-options property test)."""
+    kv = KVCacheManager(num_blocks=4, block_size=2, num_host_blocks=2)
+    assert kv.allocate_slots("a", 4) is not None
+    out_a = kv.swap_out("a")
+    assert sorted(h for _, h in out_a) == [0, 1] and kv.num_free_host_blocks == 0
+    assert kv.allocate_slots("b", 4) is not None
+    kv.free("b")
+    kv.swap_in("a")  # reads host blocks 0 and 1 during this step
+    assert kv.allocate_slots("b", 4) is not None
+    assert kv.swap_out("b") is None  # not onto blocks 0 and 1 before they are read
+    kv.commit_swaps()  # the next step
+    assert sorted(h for _, h in kv.swap_out("b")) == [0, 1]

@@ -15,7 +15,7 @@ from inflight.core.request import FinishReason, Request, RequestStatus
 from inflight.core.sampling_params import SamplingParams
 from inflight.core.scheduler import Scheduler
 
-from fake_worker import VOCAB, FakeWorker, check_accounting, next_token
+from fake_worker import VOCAB, FakeWorker, check_accounting
 
 EOS = VOCAB  # never sampled: requests end by length
 

@@ -21,7 +21,10 @@ partly filled last block, which a sample will write, is copied instead
 (copy-on-write).
 
 An optional host pool holds the blocks of requests preempted by swapping: their
-KV is copied to host memory and back, instead of being recomputed.
+KV is copied to host memory and back, instead of being recomputed. The worker
+runs a step's swap-outs before its swap-ins, so host blocks read by a swap-in
+are not handed out again until ``commit_swaps`` (called at the start of the
+next step): a swap-out in the same step would overwrite them first.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class KVCacheManager:
         # the prefix cache.
         self._num_hashed: dict[str, int] = {}
         self._host_free: deque[int] = deque(range(num_host_blocks))
+        self._host_reading: list[int] = []  # read by this step's swap-ins
         self._host_tables: dict[str, list[int]] = {}
         # Prompt tokens looked up in the prefix cache, and of those found.
         self.prefix_cache_queries = 0
@@ -236,7 +240,14 @@ class KVCacheManager:
     # ------------------------------------------------------------------- swap
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self._host_free)
+        """Host blocks no request holds (some usable only from the next step)."""
+        return len(self._host_free) + len(self._host_reading)
+
+    def commit_swaps(self) -> None:
+        """The previous step's swaps are done: its swapped-in host blocks are free."""
+        if self._host_reading:
+            self._host_free.extend(self._host_reading)
+            self._host_reading = []
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move the request's table to host blocks, releasing its device blocks
@@ -262,7 +273,7 @@ class KVCacheManager:
         device = [self._pop_free() for _ in host]
         self._tables[request_id] = device
         self._num_hashed[request_id] = 0
-        self._host_free.extend(self._host_tables.pop(request_id, ()))
+        self._host_reading.extend(self._host_tables.pop(request_id, ()))
         return list(zip(host, device))
 
     def host_block_ids(self, request_id: str) -> list[int]:

@@ -31,7 +31,7 @@ so a simulator can drive it in virtual time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from inflight.core.kv_cache_manager import KVCacheManager, cdiv
@@ -83,6 +83,7 @@ class SchedulerStats:
     num_swaps: int = 0  # preemptions that swapped KV to host memory
     # Steps in which some request computed only part of its pending tokens.
     num_chunked_steps: int = 0
+    num_generated_tokens: int = 0  # output tokens handed to callers
 
 
 class Scheduler:
@@ -173,6 +174,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._ended_ids,
                               copy_blocks=self._pending_copies)
         self._ended_ids, self._pending_copies = [], []
+        self.kv_cache.commit_swaps()
         now = self.clock()
         if self.drop_expired:
             self._drop_expired(out, now)
@@ -407,7 +409,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- update
     def update_from_output(self, out: SchedulerOutput,
-                           new_token_ids: list[list[int]]) -> list[Request]:
+                           new_token_ids: list[Sequence[int]]) -> list[Request]:
         """Advance each scheduled request by its computed tokens and append its
         accepted tokens (none for a prompt chunk that does not end the prompt;
         one for a decode; several for verified drafts). Each appended token is
@@ -415,6 +417,7 @@ class Scheduler:
         the requests that received tokens, finished ones included."""
         now = self.clock()
         updated = []
+        generated = 0
         counts_tokens = self.policy.counts_tokens
         caching, block_size = self.kv_cache.enable_caching, self.kv_cache.block_size
         for request, num_new, tokens in zip(out.requests, out.num_new_tokens, new_token_ids):
@@ -426,8 +429,12 @@ class Scheduler:
                 self.kv_cache.cache_blocks(request)  # a block was filled
             if request.pending_forks and request.num_computed_tokens >= request.num_prompt_tokens:
                 self._fork(request, now)
-            if tokens and self._append_tokens(request, tokens, now):
-                updated.append(request)
+            if tokens:
+                appended = self._append_tokens(request, tokens, now)
+                if appended:
+                    generated += appended
+                    updated.append(request)
+        self.stats.num_generated_tokens += generated
         return updated
 
     def _account(self, request: Request, start: int, num_new: int) -> None:
@@ -435,17 +442,21 @@ class Scheduler:
         prompt_part = min(num_new, max(0, request.num_prompt_tokens - start))
         self.policy.on_tokens(request, prompt_part, num_new - prompt_part)
 
-    def _append_tokens(self, request: Request, tokens: list[int], now: float) -> bool:
-        """Append tokens up to the first that stops the request; returns whether
-        the request's caller gets them."""
-        for token in tokens:
+    def _append_tokens(self, request: Request, tokens: Sequence[int], now: float) -> int:
+        """Append tokens up to the first that stops the request; returns how many
+        the request's caller gets."""
+        for count, token in enumerate(tokens, 1):
             request.append_output_token(token, now)
             reason = request.check_stop(self.max_model_len)
             if reason is not None:
                 self._finish(request, reason, now)
-                self._release(request)
-                break
-        return True
+                self._retire(request)
+                return count
+        return len(tokens)
+
+    def _retire(self, request: Request) -> None:
+        """A request just finished: free its slot and blocks."""
+        self._release(request)
 
     def _fork(self, parent: Request, now: float) -> None:
         """Start the parent's other samples from its KV: each shares the blocks of

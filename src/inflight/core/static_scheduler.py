@@ -10,6 +10,8 @@ slot-steps.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from inflight.core.request import Request
 from inflight.core.scheduler import Scheduler, SchedulerOutput
 
@@ -43,29 +45,26 @@ class StaticBatchScheduler(Scheduler):
         if not request.padding:
             super()._account(request, start, num_new)
 
-    def _append_tokens(self, request: Request, tokens: list[int], now: float) -> bool:
+    def _append_tokens(self, request: Request, tokens: Sequence[int], now: float) -> int:
         if request.padding:  # its tokens only keep the batch's shape
             request.all_token_ids.extend(tokens)
             if request.num_tokens >= self.max_model_len:
                 self._release(request)
-            return False
-        for token in tokens:
-            request.append_output_token(token, now)
-            reason = request.check_stop(self.max_model_len)
-            if reason is not None:
-                self._finish(request, reason, now)
-                if request.num_tokens < self.max_model_len and self._others_live(request):
-                    request.padding = True
-                else:
-                    self._release(request)
-                break
-        return True
+            return 0
+        return super()._append_tokens(request, tokens, now)
+
+    def _retire(self, request: Request) -> None:
+        """A member that finishes while others still run stays as padding."""
+        if request.num_tokens < self.max_model_len and self._others_live(request):
+            request.padding = True
+        else:
+            self._release(request)
 
     def _others_live(self, request: Request) -> bool:
         return any(not r.padding and r is not request for r in self.running)
 
     def update_from_output(self, out: SchedulerOutput,
-                           new_token_ids: list[list[int]]) -> list[Request]:
+                           new_token_ids: list[Sequence[int]]) -> list[Request]:
         updated = super().update_from_output(out, new_token_ids)
         if self.running and all(r.padding for r in self.running):
             for request in list(self.running):  # the batch is done

@@ -243,14 +243,13 @@ class EngineCore:
         padding_ids = [r.request_id for r in out.requests if r.padding]
         last_token_times = {r.request_id: r.last_token_time for r in out.requests}
         result = self.runner.execute(out)
+        generated = self.scheduler.stats.num_generated_tokens
+        updated = self.scheduler.update_from_output(out, result.new_token_ids)
+        logprobs = {out.requests[row].request_id: lp for row, lp in result.logprobs.items()}
         failed = {out.requests[row].request_id: message
                   for row, message in result.errors.items()}
-        updated = self.scheduler.update_from_output(out, result.new_token_ids)
-        counts = {r.request_id: len(t) for r, t in zip(out.requests, result.new_token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(out.requests, result.logprobs) if lp}
-        outputs = self.output_processor.process(
-            [(seq, counts[seq.request_id]) for seq in updated], logprobs, out.expired, failed,
-            self._finish_sequence)
+        outputs = self.output_processor.process(updated, logprobs, out.expired, failed,
+                                                self._finish_sequence)
         stats = StepStats(
             num_requests=len(live_ids), num_padding=len(padding_ids),
             num_tokens=out.total_num_tokens,
@@ -259,7 +258,8 @@ class EngineCore:
             num_preempted=len(out.preempted_request_ids),
             seconds=time.perf_counter() - start,
             request_ids=live_ids, padding_ids=padding_ids,
-            kv_cache_usage=kv.usage, generation_tokens=sum(counts[s.request_id] for s in updated),
+            kv_cache_usage=kv.usage,
+            generation_tokens=self.scheduler.stats.num_generated_tokens - generated,
             prefix_cache_queries=kv.prefix_cache_queries - queries,
             prefix_cache_hits=kv.prefix_cache_hits - hits)
         for seq in updated:
@@ -271,7 +271,8 @@ class EngineCore:
             else:
                 stats.inter_token_latencies.append(seq.last_token_time - previous)
         ended = [*out.expired, *(s for s in updated if s.is_finished)]
-        ended += [r for r in out.requests if r.request_id in failed]
+        if failed:
+            ended += [r for r in out.requests if r.request_id in failed]
         self._record_finished(stats, ended)
         self.last_step = stats
         return outputs

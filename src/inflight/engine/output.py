@@ -163,6 +163,10 @@ class _Sample:
     detokenizer: SequenceDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
+    # Whether each new token needs work now (incremental text or logprobs).
+    per_token: bool = False
+    # Output tokens taken in so far.
+    seen_tokens: int = 0
     # What earlier DELTA outputs carried: characters, tokens, and whether the end.
     sent_text: int = 0
     sent_tokens: int = 0
@@ -204,9 +208,9 @@ class OutputProcessor:
                        params.logprobs is not None)
         for seq in sequences:
             want = seq.sampling_params.logprobs is not None
-            sample = _Sample(seq, SequenceDetokenizer(self.tokenizer, seq,
-                                                      kind is OutputKind.DELTA),
-                             [] if want else None, 0.0 if want else None)
+            detokenizer = SequenceDetokenizer(self.tokenizer, seq, kind is OutputKind.DELTA)
+            sample = _Sample(seq, detokenizer, [] if want else None, 0.0 if want else None,
+                             per_token=detokenizer.incremental or want)
             group.samples.append(sample)
             self._sample_of[seq.request_id] = (group, sample)
         self._groups[request_id] = group
@@ -229,27 +233,29 @@ class OutputProcessor:
         group = self._groups.get(request_id)
         return [] if group is None else [s.request.request_id for s in group.samples]
 
-    def process(self, updated: list[tuple[Request, int]],
-                logprobs: dict[str, list[TokenLogprobs]], ended: list[Request],
-                failed: dict[str, str], finish: FinishSequence) -> list[RequestOutput]:
-        """Take in each updated sequence's ``count`` new tokens, the sequences that
-        ``ended`` without one, and the sequences whose step ``failed`` (id ->
-        why); ``finish`` ends a sequence (a stop string, a failure). Returns an
-        output for each DELTA request with news and each finished request
-        (which is then forgotten)."""
+    def process(self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]],
+                ended: list[Request], failed: dict[str, str],
+                finish: FinishSequence) -> list[RequestOutput]:
+        """Take in the new tokens of each ``updated`` sequence (with their
+        ``logprobs``, by sequence id), the sequences that ``ended`` without one,
+        and the sequences whose step ``failed`` (id -> why); ``finish`` ends a
+        sequence (a stop string, a failure). Returns an output for each DELTA
+        request with news and each finished request (which is then forgotten)."""
         touched: dict[str, _Group] = {}
         for seq in ended:
             entry = self._sample_of.get(seq.request_id)
             if entry is not None:
                 touched[entry[0].request_id] = entry[0]
-        for seq, count in updated:
+        for seq in updated:
             entry = self._sample_of.get(seq.request_id)
             if entry is None:
                 continue
             group, sample = entry
             touched[group.request_id] = group
+            if not sample.per_token:  # text once at the end, no logprobs
+                continue
             try:
-                self._take_tokens(seq, sample, count, logprobs.get(seq.request_id), finish)
+                self._take_tokens(seq, sample, logprobs.get(seq.request_id), finish)
             except Exception as e:  # noqa: BLE001 - one request fails, the others go on
                 logger.exception("handling the output of %s failed", seq.request_id)
                 failed = {**failed, seq.request_id: f"{type(e).__name__}: {e}"}
@@ -274,14 +280,14 @@ class OutputProcessor:
                     self.remove(group.request_id)
         return outputs
 
-    def _take_tokens(self, seq: Request, sample: _Sample, count: int,
-                     logprobs: list[TokenLogprobs] | None, finish: FinishSequence) -> None:
-        """Detokenize a sequence's ``count`` newest tokens; end it at a stop string."""
+    def _take_tokens(self, seq: Request, sample: _Sample, logprobs: list[TokenLogprobs] | None,
+                     finish: FinishSequence) -> None:
+        """Detokenize the sequence's tokens not seen yet; end it at a stop string."""
         tokens = seq.all_token_ids
         num_output = seq.num_output_tokens
-        for k in range(count):
-            stop = sample.detokenizer.add_token(tokens[len(tokens) - count + k],
-                                                num_output - count + k + 1)
+        for k in range(sample.seen_tokens, num_output):
+            sample.seen_tokens = k + 1
+            stop = sample.detokenizer.add_token(tokens[seq.num_prompt_tokens + k], k + 1)
             if stop is not None:
                 if not seq.is_finished:
                     finish(seq, FinishReason.STOP, stop)

@@ -12,6 +12,7 @@ prompt samples nothing).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -137,9 +138,8 @@ class ModelRunner:
         device = self.device
         metadata = self.backend.build_metadata(layout, device)
         hidden = self.model(input_ids.to(device), positions.to(device), self.kv_caches, metadata)
-        num_reqs = len(out.requests)
-        sampled: list[list[int]] = [[] for _ in range(num_reqs)]
-        logprobs: list[list[TokenLogprobs]] = [[] for _ in range(num_reqs)]
+        sampled: list[Sequence[int]] = [()] * len(out.requests)
+        logprobs: dict[int, list[TokenLogprobs]] = {}
         errors: dict[int, str] = {}
         if sample_rows:
             logits_index = torch.from_numpy(layout.query_start_loc[np.array(sample_rows) + 1] - 1)
@@ -150,7 +150,7 @@ class ModelRunner:
                 if k in result.errors:
                     errors[row] = result.errors[k]
                     continue
-                sampled[row].append(token)
+                sampled[row] = [token]
                 if lp is not None:
-                    logprobs[row].append(lp)
+                    logprobs[row] = [lp]
         return RunnerOutput(sampled, logprobs, errors)

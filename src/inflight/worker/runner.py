@@ -11,6 +11,7 @@ decode, several once drafts are verified).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,9 +33,9 @@ class TokenLogprobs:
 class RunnerOutput:
     """Aligned with ``SchedulerOutput.requests``."""
 
-    new_token_ids: list[list[int]]
-    # Per request, one entry per new token when the request asked for logprobs.
-    logprobs: list[list[TokenLogprobs]]
+    new_token_ids: list[Sequence[int]]
+    # Batch row -> one entry per new token, for the requests that asked for logprobs.
+    logprobs: dict[int, list[TokenLogprobs]]
     # Batch row -> why that request's results could not be computed (say,
     # non-finite logits); the engine ends such requests with an error.
     errors: dict[int, str] = field(default_factory=dict)
