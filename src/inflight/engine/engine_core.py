@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.request import FinishReason, Request
 from inflight.core.sampling_params import SamplingParams
 from inflight.core.scheduler import Clock, Scheduler
@@ -84,11 +85,17 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.clock = clock
-        self.kv_cache = scheduler.kv_cache
-        self.max_model_len = model.max_model_len
         self._ids = itertools.count()
         self.last_step = StepStats()
         self.load_seconds = 0.0  # set by the factory
+
+    @property
+    def kv_cache(self) -> KVCacheManager:
+        return self.scheduler.kv_cache
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
 
     def load(self) -> EngineLoad:
         return EngineLoad(num_waiting=self.scheduler.num_waiting,

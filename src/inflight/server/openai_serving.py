@@ -49,13 +49,16 @@ def check_body(body: Any) -> None:
         if depth >= MAX_JSON_DEPTH:
             raise InvalidRequest(f"the request body is nested more than {MAX_JSON_DEPTH} "
                                  "levels deep")
+        # Only strings and containers need a look (not, say, each token id).
         if isinstance(value, dict):
             for key, item in value.items():
-                stack.append((item, f"{param}.{key}" if param != "body" else str(key),
-                              depth + 1))
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, f"{param}.{key}" if param != "body" else str(key),
+                                  depth + 1))
         else:
             for i, item in enumerate(value):
-                stack.append((item, f"{param}[{i}]", depth + 1))
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, f"{param}[{i}]", depth + 1))
 
 
 def sampling_params(req: p.CompletionRequest | p.ChatCompletionRequest, *, max_tokens: int | None,
@@ -129,12 +132,10 @@ def scheduling(req: p.CompletionRequest | p.ChatCompletionRequest) -> dict[str, 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
                   param: str) -> None:
     """An explicit ``max_tokens`` must fit in the context with the prompt (an
-    omitted one means "up to the context"); a prompt alone must fit too."""
-    if num_prompt_tokens > max_model_len:
-        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens, "
-                             f"but the prompt has {num_prompt_tokens} tokens "
-                             f"(more than max_model_len={max_model_len}).", "prompt")
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+    omitted one means "up to the context"). A prompt that alone is too long is
+    the engine's to refuse (``EngineCore.prepare_request``)."""
+    if max_tokens is not None and num_prompt_tokens <= max_model_len < (num_prompt_tokens
+                                                                          + max_tokens):
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "

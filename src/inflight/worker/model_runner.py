@@ -29,8 +29,9 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int,
-                 max_model_len: int, num_host_blocks: int = 0,
-                 num_parameters: int | None = None) -> None:
+                 max_model_len: int, num_parameters: int, num_host_blocks: int = 0) -> None:
+        """``num_parameters``: the model's, as stored (a tied embedding once),
+        counted before its weights were packed."""
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -40,12 +41,10 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.max_model_len = max_model_len
-        # Parameters as stored (a tied embedding once), counted before packing.
-        self.num_parameters = (sum(p.numel() for p in model.parameters())
-                               if num_parameters is None else num_parameters)
-        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                 cfg.head_dim, dtype)
-        self.kv_caches = backend.allocate_kv_cache(*shape, device)
+        self.num_parameters = num_parameters
+        self.kv_caches = backend.allocate_kv_cache(
+            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+            cfg.head_dim, dtype, device)
         # Where swapped-out KV blocks wait: host memory, pinned for fast copies
         # from a GPU.
         self.host_kv_caches = backend.allocate_host_cache(

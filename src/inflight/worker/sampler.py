@@ -81,10 +81,10 @@ class Sampler:
     def _non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
         """Rows holding NaN or infinite logits (one reduction finds them), which
         are then zeroed so that the rest of the batch samples as usual."""
-        sums = logits.sum(dim=-1)
-        if bool(torch.isfinite(sums).all()):
+        finite = torch.isfinite(logits.sum(dim=-1))
+        if bool(finite.all()):
             return {}
-        bad = (~torch.isfinite(sums)).nonzero().flatten().tolist()
+        bad = (~finite).nonzero().flatten().tolist()
         logits[bad] = 0.0
         return {row: "the model produced non-finite logits" for row in bad}
 
