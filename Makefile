@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of PyTorch; a looser pin would pull gigabytes of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
+# The Triton release torch 2.13 was built with (its kernels' tests run on the CPU
+# in Triton's interpreter).
+TRITON_SPEC ?= triton==3.7.1
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
 .PHONY: run test clean
@@ -18,6 +21,7 @@ $(VENV)/.base: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
+	$(BIN)/pip install -q $(TRITON_SPEC)
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 

@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (set before any
+# kernel module is imported: the choice is made when a kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
 
@@ -31,7 +31,8 @@ class EngineConfig:
     """Engine options. ``model=None`` loads the default model (SmolLM2-135M-Instruct)."""
 
     model: str | None = None
-    dtype: str = "float32"
+    # "auto": bfloat16 on CUDA, float32 on the CPU.
+    dtype: str = "auto"
     # "auto" picks CUDA when available, else the CPU.
     device: str = "auto"
     seed: int = 0
@@ -39,8 +40,12 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     # KV cache size as bytes (int or "2GiB"); num_kv_blocks, when set, wins.
-    kv_cache_memory: int | str = 2 * 2**30
+    # None: 2 GiB on the CPU; on CUDA, what gpu_memory_utilization leaves.
+    kv_cache_memory: int | str | None = None
     num_kv_blocks: int | None = None
+    # On CUDA, the share of the GPU's memory the engine may use in all: weights,
+    # the activations of the largest step (profiled at start-up), then the KV cache.
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -69,8 +74,14 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # Torch intra-op threads; None keeps torch's default (one per core).
     num_threads: int | None = None
-    # "auto", "torch" (PyTorch reference kernels) or "cpu" (C kernels, float32).
+    # "auto", "torch" (PyTorch reference kernels), "cpu" (C kernels, float32) or
+    # "triton" (GPU kernels; on the CPU only in Triton's interpreter).
     kernel_backend: str = "auto"
+    # CUDA: run every step eagerly instead of replaying CUDA graphs of decode steps.
+    enforce_eager: bool = False
+    # CUDA: fixed-tiling matrix products and attention splits, so that a request's
+    # tokens do not depend on the rest of the batch (the CPU kernels already are).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         def positive_int(name: str, allow_none: bool = False) -> None:
@@ -92,9 +103,14 @@ class EngineConfig:
             positive_int(name)
         for name in ("max_model_len", "num_kv_blocks", "num_threads", "max_running_per_tenant"):
             positive_int(name, allow_none=True)
-        self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
-        if self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+            if self.kv_cache_memory < 1:
+                raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        utilization = self.gpu_memory_utilization
+        if (not isinstance(utilization, (int, float)) or isinstance(utilization, bool)
+                or not 0 < utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         self.swap_space = parse_size(self.swap_space, "swap_space")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
@@ -105,8 +121,8 @@ class EngineConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError("preemption_mode must be 'recompute' or 'swap', "
                              f"got {self.preemption_mode!r}")
-        if self.kernel_backend not in ("auto", "torch", "cpu"):
-            raise ValueError("kernel_backend must be 'auto', 'torch' or 'cpu', "
+        if self.kernel_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError("kernel_backend must be 'auto', 'torch', 'cpu' or 'triton', "
                              f"got {self.kernel_backend!r}")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")

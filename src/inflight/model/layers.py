@@ -10,17 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight.ops.cpu_ops import CpuOps
-from inflight.ops.torch_ops import TorchOps
+from inflight.ops.torch_ops import LinearOps, TorchOps
 
 
 class Linear(nn.Module):
     """``y = x W^T + b`` over a flat batch of tokens.
 
-    ``pack(ops)`` moves the weight into the layout of the CPU kernels' matrix
-    product, which beats PyTorch's default at every batch size measured on
-    this project's CPU machine (2-3x at a decode batch's few rows); the plain
-    weight is then dropped unless another module shares it (a tied embedding).
+    ``pack(ops)`` hands the layer to ops that run linear layers themselves: the
+    CPU kernels' packed matrix product, which beats PyTorch's default at every
+    batch size measured on this project's CPU machine (2-3x at a decode batch's
+    few rows), or the GPU's batch-invariant Triton product. The plain weight is
+    then dropped unless another module shares it (a tied embedding).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
@@ -31,9 +31,9 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
         self._packed: torch.Tensor | None = None
-        self._ops: CpuOps | None = None
+        self._ops: LinearOps | None = None
 
-    def pack(self, ops: CpuOps, keep_weight: bool) -> None:
+    def pack(self, ops: LinearOps, keep_weight: bool) -> None:
         self._packed = ops.pack_weight(self.weight.data)
         self._ops = ops
         if not keep_weight:
@@ -45,8 +45,8 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linear_weights(model: nn.Module, ops: CpuOps) -> None:
-    """Pack every Linear of ``model`` for the CPU kernels."""
+def pack_linear_weights(model: nn.Module, ops: LinearOps) -> None:
+    """Hand every Linear of ``model`` to ``ops``."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear)
               for p in m.parameters(recurse=False)}

@@ -93,6 +93,8 @@ class CpuOps(TorchOps):
     """The same operations as TorchOps, each one pass in C (float32, CPU,
     contiguous inputs)."""
 
+    packs_weights = True
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack_weight = lib.inflight_pack_weight_f32
         self._linear = lib.inflight_linear_f32

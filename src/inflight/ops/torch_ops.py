@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 
+class LinearOps(Protocol):
+    """Ops that run linear layers themselves (their ``packs_weights`` is True)."""
+
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A ``[N, K]`` weight in the layout ``linear`` reads."""
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int) -> torch.Tensor:
+        """``x @ W.T + bias`` with ``W`` from ``pack_weight``."""
+
+
 class TorchOps:
+    # Whether linear layers run through ``pack_weight`` / ``linear`` of these ops
+    # (instead of torch's matrix product).
+    packs_weights = False
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
 

@@ -1,24 +1,30 @@
 """Builds the real model runner from an EngineConfig: the device and threads,
-the kernels, the model and its weights (packed for the C matrix product), and
-the KV cache's size, from which the context limit follows."""
+the dtype, the kernels, the model and its weights (packed for the C matrix
+product), the KV cache's size (on CUDA, from the memory left after profiling
+the largest step), from which the context limit follows, and the CUDA graphs."""
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
 
+from inflight.attention.backend import AttentionBackend
 from inflight.config import EngineConfig
 from inflight.model.config import ModelConfig
 from inflight.model.layers import pack_linear_weights
 from inflight.model.loader import iter_safetensors
 from inflight.model.registry import get_model_class
 from inflight.model.stub import StubModel
-from inflight.ops.cpu_ops import CpuOps
 from inflight.worker.cpu_setup import configure_cpu
+from inflight.worker.cuda_graphs import cuda_graph_factory
+from inflight.worker.gpu_memory import kv_cache_budget, profile_step
 from inflight.worker.kernels import select_kernels
 from inflight.worker.model_runner import ModelRunner
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 2**30  # off CUDA, when kv_cache_memory is not given
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +33,14 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA (where its matrix products are fast), float32
+    elsewhere (the CPU machine this project targets has no bf16 arithmetic)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
 
 
 def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -62,29 +76,82 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
         configure_cpu(config.num_threads)
     elif config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    dtype = getattr(torch, config.dtype)
+    dtype = resolve_dtype(config.dtype, device)
     block_bytes = kv_block_bytes(model_config, config.block_size, dtype)
-    num_blocks = config.num_kv_blocks or config.kv_cache_memory // block_bytes
-    if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory ({config.kv_cache_memory} bytes) is smaller than "
-                         f"one KV block ({block_bytes} bytes)")
-    max_model_len = resolve_max_model_len(config, model_config, num_blocks * config.block_size)
+    # On CUDA without a size given, the KV cache gets what is left after the
+    # model and a profiled step; otherwise its size is known before loading.
+    profile = device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None
+    if profile:
+        num_blocks = None
+        max_positions = resolve_max_model_len(config, model_config, capacity_tokens=2**62)
+    else:
+        num_blocks = _num_blocks(config, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
+                                 block_bytes)
+        max_positions = resolve_max_model_len(config, model_config, num_blocks * config.block_size)
 
-    ops, backend = select_kernels(config.kernel_backend, device, dtype)
+    ops, backend = select_kernels(config.kernel_backend, device, dtype, model_config,
+                                  batch_invariant=config.batch_invariant)
     if stub_token_id is not None:
         model = StubModel(model_config, dtype, stub_token_id)
     else:
         with torch.device(device):
             model = get_model_class(model_config.architecture)(
-                model_config, backend, ops, max_model_len, dtype)
+                model_config, backend, ops, max_positions, dtype)
         model.load_weights(iter_safetensors(model_dir, dtype))
     num_parameters = sum(p.numel() for p in model.parameters())  # before packing
-    if isinstance(ops, CpuOps) and stub_token_id is None:
+    if ops.packs_weights and stub_token_id is None:
         pack_linear_weights(model, ops)
+    model.eval()
+
+    if num_blocks is None:
+        num_blocks = _num_blocks(config, _profiled_kv_bytes(config, model, backend, model_config,
+                                                            dtype, device), block_bytes)
+    max_model_len = resolve_max_model_len(config, model_config, num_blocks * config.block_size)
     num_host_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
     logger.info("%d KV blocks of %d tokens, max_model_len %d, %s on %s, %s", num_blocks,
-                config.block_size, max_model_len, config.dtype, device, type(backend).__name__)
-    return ModelRunner(model.eval(), backend, num_blocks=num_blocks,
-                       num_host_blocks=num_host_blocks, block_size=config.block_size,
-                       device=device, dtype=dtype, seed=config.seed, max_model_len=max_model_len,
-                       num_parameters=num_parameters)
+                config.block_size, max_model_len, str(dtype).removeprefix("torch."), device,
+                type(backend).__name__)
+    runner = ModelRunner(model, backend, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
+                         block_size=config.block_size, device=device, dtype=dtype,
+                         seed=config.seed, max_model_len=max_model_len,
+                         num_parameters=num_parameters)
+    if (device.type == "cuda" and not config.enforce_eager and stub_token_id is None
+            and hasattr(backend, "decode_buffers")):
+        start = time.perf_counter()
+        runner.capture_decode_graphs(config.max_num_seqs, cuda_graph_factory())
+        logger.info("captured CUDA graphs for %d batch sizes in %.1f s",
+                    len(runner.graphs.sizes), time.perf_counter() - start)
+    return runner
+
+
+def _num_blocks(config: EngineConfig, kv_bytes: int, block_bytes: int) -> int:
+    num_blocks = config.num_kv_blocks or kv_bytes // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory ({kv_bytes} bytes) is smaller than one KV block "
+                         f"({block_bytes} bytes)")
+    return num_blocks
+
+
+def _profiled_kv_bytes(config: EngineConfig, model: torch.nn.Module, backend: AttentionBackend,
+                       model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """What ``gpu_memory_utilization`` leaves for the KV cache after a profiled
+    largest step."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_step(model, backend, num_tokens=config.max_num_batched_tokens,
+                 num_seqs=config.max_num_seqs, block_size=config.block_size,
+                 num_layers=model_config.num_hidden_layers,
+                 num_kv_heads=model_config.num_key_value_heads, head_dim=model_config.head_dim,
+                 dtype=dtype, device=device)
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = kv_cache_budget(total=total, free=free, reserved=torch.cuda.memory_reserved(device),
+                             peak_allocated=torch.cuda.max_memory_allocated(device),
+                             utilization=config.gpu_memory_utilization)
+    logger.info("GPU memory: %.1f GiB total, %.1f GiB for the KV cache at utilization %.2f",
+                total / 2**30, max(budget, 0) / 2**30, config.gpu_memory_utilization)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization {config.gpu_memory_utilization} leaves no "
+                         "memory for the KV cache; raise it or lower max_num_batched_tokens")
+    return budget

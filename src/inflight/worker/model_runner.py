@@ -6,13 +6,15 @@ The step's tokens are laid out request after request: ``input_ids[T]``,
 ``positions[T]`` and ``slot_mapping[T]``, with ``query_start_loc[B+1]`` marking
 where each request's tokens start. Logits are computed only for the last token
 of requests that sample this step (a prompt chunk that does not finish its
-prompt samples nothing).
+prompt samples nothing). On CUDA, decode-only steps replay CUDA graphs
+(``worker.cuda_graphs``) once ``capture_decode_graphs`` has run.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +22,8 @@ from torch import nn
 
 from inflight.attention.backend import AttentionBackend, BatchLayout
 from inflight.core.scheduler import SchedulerOutput
+from inflight.ops.staging import HostStaging
+from inflight.worker.cuda_graphs import DecodeGraphs, Graph
 from inflight.worker.runner import RunnerOutput, TokenLogprobs
 from inflight.worker.sampler import Sampler, SamplingRow
 
@@ -53,8 +57,26 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         # Per-request generators of seeded requests; they survive preemption.
         self._generators: dict[str, torch.Generator] = {}
+        self._staging = HostStaging(device)
+        self.graphs: DecodeGraphs | None = None
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, BatchLayout,
+    def capture_decode_graphs(self, max_batch: int, new_graph: Callable[[], Graph]) -> None:
+        """Capture decode-only steps of up to ``max_batch`` requests (the backend
+        must provide static decode buffers: ``TritonPagedBackend``)."""
+        max_blocks = -(-self.max_model_len // self.block_size)
+        buffers = self.backend.decode_buffers(max_batch, max_blocks, self.max_model_len,
+                                              self.device)
+
+        def step(input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
+            return self.model.compute_logits(
+                self.model(input_ids, positions, self.kv_caches, metadata))
+
+        graphs = DecodeGraphs(step, buffers, max_batch, self.device, new_graph)
+        with torch.inference_mode():
+            graphs.capture()
+        self.graphs = graphs
+
+    def prepare(self, out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, BatchLayout,
                                                      list[int]]:
         """Host-side input preparation: token ids, positions, the batch layout and
         the indices of the batch rows that sample."""
@@ -92,8 +114,7 @@ class ModelRunner:
         layout = BatchLayout(query_start_loc=query_start_loc, context_lens=context_lens,
                              seq_lens=seq_lens, block_table=block_table,
                              slot_mapping=slot_mapping, block_size=bs)
-        input_ids = torch.tensor(token_ids, dtype=torch.long)
-        return input_ids, torch.from_numpy(positions), layout, sample_rows
+        return np.array(token_ids, dtype=np.int64), positions, layout, sample_rows
 
     def _sampling_rows(self, out: SchedulerOutput, sample_rows: list[int]) -> list[SamplingRow]:
         rows = []
@@ -134,15 +155,18 @@ class ModelRunner:
         for request_id in out.finished_request_ids:
             self._generators.pop(request_id, None)
         input_ids, positions, layout, sample_rows = self.prepare(out)
-        device = self.device
-        metadata = self.backend.build_metadata(layout, device)
-        hidden = self.model(input_ids.to(device), positions.to(device), self.kv_caches, metadata)
+        bucket = self.graphs.bucket(layout) if self.graphs is not None and sample_rows else None
+        if bucket is not None:
+            ids, pos = self._staging.to_device([input_ids, positions])
+            logits = self.graphs.run(ids, pos, layout, bucket)
+            if len(sample_rows) < len(out.requests):
+                logits = logits[torch.tensor(sample_rows, device=self.device)]
+        else:
+            logits = self._forward(input_ids, positions, layout, sample_rows)
         sampled: list[Sequence[int]] = [()] * len(out.requests)
         logprobs: dict[int, list[TokenLogprobs]] = {}
         errors: dict[int, str] = {}
         if sample_rows:
-            logits_index = torch.from_numpy(layout.query_start_loc[np.array(sample_rows) + 1] - 1)
-            logits = self.model.compute_logits(hidden[logits_index.to(device)])
             result = self.sampler.sample(logits, self._sampling_rows(out, sample_rows))
             for k, (row, token, lp) in enumerate(zip(sample_rows, result.token_ids,
                                                      result.logprobs)):
@@ -153,3 +177,12 @@ class ModelRunner:
                 if lp is not None:
                     logprobs[row] = [lp]
         return RunnerOutput(sampled, logprobs, errors)
+
+    def _forward(self, input_ids: np.ndarray, positions: np.ndarray, layout: BatchLayout,
+                 sample_rows: list[int]) -> torch.Tensor | None:
+        """One eager step; the logits of the rows that sample (None if none does)."""
+        logits_index = layout.query_start_loc[np.array(sample_rows, dtype=np.int64) + 1] - 1
+        ids, pos, index = self._staging.to_device([input_ids, positions, logits_index])
+        metadata = self.backend.build_metadata(layout, self.device)
+        hidden = self.model(ids, pos, self.kv_caches, metadata)
+        return self.model.compute_logits(hidden[index]) if sample_rows else None
