@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from inflight.bench.throughput import run_engine, run_hf_generate
-from inflight.bench.workloads import BenchRequest, from_file, synthetic
+from inflight.bench.throughput import run_engine, run_hf_continuous, run_hf_generate
+from inflight.bench.workloads import BenchRequest, from_file, parse_length, synthetic
 from inflight.cli import main
 from inflight.config import EngineConfig
 from inflight.engine.factory import build_engine_core
@@ -34,6 +34,15 @@ def test_synthetic_workloads_follow_their_recipes():
     uniform = synthetic("uniform", 5, seed=0, vocab_size=1000, max_model_len=512,
                         input_len=30, output_len=7)
     assert {(len(r.prompt_token_ids), r.max_tokens) for r in uniform} == {(30, 7)}
+    ranged = synthetic("uniform", 300, seed=0, vocab_size=1000, max_model_len=4096,
+                       input_len=parse_length("100-1024"), output_len=parse_length("100-1024"))
+    for lengths in ([len(r.prompt_token_ids) for r in ranged], [r.max_tokens for r in ranged]):
+        assert 100 <= min(lengths) < 200 and 924 < max(lengths) <= 1024
+        assert 480 < statistics.mean(lengths) < 645
+    assert parse_length("7") == 7
+    for bad in ("0", "9-3", "a-b", "-5", ""):
+        with pytest.raises(ValueError, match="LOW-HIGH"):
+            parse_length(bad)
     with pytest.raises(ValueError, match="workload"):
         synthetic("bursty", 1, seed=0, vocab_size=10, max_model_len=10)
 
@@ -88,6 +97,14 @@ def test_hf_generate_baseline(tiny_model):
     # the first batch runs 9 steps, its short member padded for 7; the second
     # batch has one request in two slots for 5 steps
     assert result.padded_slot_steps == 7 and result.idle_slot_steps == 7 + 5
+
+
+def test_hf_continuous_baseline(tiny_model):
+    """Hugging Face's own continuous batching, each request with its own length."""
+    requests = [BenchRequest(list(range(5, 5 + n)), m) for n, m in [(5, 7), (20, 3), (9, 12)]]
+    result = run_hf_continuous(tiny_model("llama-gqa"), requests, ignore_eos=True)
+    assert result.output_tokens == 22 and result.prompt_tokens == 34
+    assert result.label == "hf-continuous" and result.wall_seconds > 0
 
 
 def test_cli_throughput_and_sweep(tiny_model, tmp_path, capsys):

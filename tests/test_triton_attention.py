@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from inflight.attention.backend import BatchLayout  # noqa: E402
 from inflight.attention.torch_paged import TorchPagedBackend  # noqa: E402
-from inflight.attention.triton_paged import TritonPagedBackend, write_kv  # noqa: E402
+from inflight.attention.triton_paged import TritonPagedBackend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3}

@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of recompute, swap (default: the engine's)")
     tp.add_argument("--prefix-caching", dest="prefix_caching_list", default="",
                     help="comma list of on, off (default: the engine's)")
-    tp.add_argument("--baseline", choices=["hf"], default=None,
-                    help="also run Hugging Face transformers generate with static batches")
+    tp.add_argument("--baseline", choices=["hf", "hf-continuous"], default=None,
+                    help="also run Hugging Face transformers: generate with static batches "
+                         "(hf) or its continuous batching, generate_batch (hf-continuous)")
     tp.add_argument("--hf-batch-size", type=int, default=16)
     tp.add_argument("--profile", action="store_true", help="print where a step's time goes")
     tp.add_argument("--model-stub", action="store_true",

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from inflight.bench.throughput import ThroughputResult, matmul_flops, run_engine, run_hf_generate
-from inflight.bench.workloads import SYNTHETIC, BenchRequest, from_file, synthetic
+from inflight.bench.throughput import (ThroughputResult, matmul_flops, run_engine,
+                                       run_hf_continuous, run_hf_generate)
+from inflight.bench.workloads import SYNTHETIC, BenchRequest, from_file, parse_length, synthetic
 from inflight.config import EngineConfig
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.factory import build_engine_core
@@ -31,9 +32,11 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
                             '{"requests": [{"prompt_token_ids" or "prompt", "max_tokens"}]}')
     group.add_argument("--num-requests", type=int, default=64)
     group.add_argument("--seed", dest="workload_seed", type=int, default=0)
-    group.add_argument("--input-len", type=int, default=128, help="uniform workload prompt length")
-    group.add_argument("--output-len", type=int, default=128,
-                       help="output length of the uniform, shared-prefix and multi-turn workloads")
+    group.add_argument("--input-len", type=parse_length, default=128, metavar="N|LOW-HIGH",
+                       help="uniform workload prompt length (a range: uniform per request)")
+    group.add_argument("--output-len", type=parse_length, default=128, metavar="N|LOW-HIGH",
+                       help="output length of the uniform, shared-prefix and multi-turn workloads "
+                            "(a range: uniform per request)")
     group.add_argument("--prefix-len", type=int, default=1000,
                        help="shared-prefix workload: length of the shared system prompt")
     group.add_argument("--turns", type=int, default=4, help="multi-turn workload: turns per conversation")
@@ -98,8 +101,14 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
             if engine.tokenizer else None
         results.append(run_hf_generate(
             resolve_model_dir(base.model), requests, batch_size=args.hf_batch_size,
-            ignore_eos=args.ignore_eos, dtype=engine.runner.dtype,
+            ignore_eos=args.ignore_eos, dtype=engine.runner.dtype, device=engine.runner.device,
             pad_token_id=pad if pad is not None else 0, eos_token_ids=sorted(engine.eos_token_ids)))
+    if args.baseline == "hf-continuous":
+        print("running Hugging Face continuous batching (generate_batch) ...", flush=True)
+        results.append(run_hf_continuous(
+            resolve_model_dir(base.model), requests, ignore_eos=args.ignore_eos,
+            dtype=engine.runner.dtype, device=engine.runner.device,
+            eos_token_ids=sorted(engine.eos_token_ids)))
     report = _report(args, base, engine, requests, results)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
@@ -129,7 +138,7 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
         "engine": dataclasses.asdict(base) | {"model_stub": args.model_stub},
         "results": [r.summary() for r in results],
     }
-    engine_runs = [r for r in results if r.label != "hf-generate"]
+    engine_runs = [r for r in results if not r.label.startswith("hf-")]
     if not args.model_stub:
         flops = matmul_flops(engine.runner.device, engine.runner.dtype)
         params = engine.runner.num_parameters
@@ -186,12 +195,12 @@ def _ratios(results: list[ThroughputResult]) -> dict[str, float]:
                 off.mean_ttft_seconds / r.mean_ttft_seconds)
             ratios[f"cache on/off total tokens/s at max_num_seqs={n}"] = (
                 r.total_tokens_per_second / off.total_tokens_per_second)
-    hf = next((r for r in results if r.label == "hf-generate"), None)
-    if hf is not None:
+    for hf in (r for r in results if r.label.startswith("hf-")):
+        name = hf.label + (f" (batch {hf.max_num_seqs})" if hf.label == "hf-generate" else "")
         for (label, n), r in by.items():
             if label == "continuous":
-                ratios[f"continuous (max_num_seqs={n}) / hf-generate (batch {hf.max_num_seqs}) "
-                       "output tokens/s"] = r.output_tokens_per_second / hf.output_tokens_per_second
+                ratios[f"continuous (max_num_seqs={n}) / {name} output tokens/s"] = (
+                    r.output_tokens_per_second / hf.output_tokens_per_second)
     return ratios
 
 
@@ -204,7 +213,8 @@ def _machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}{gpu}"
 
 
 def sweep(args: argparse.Namespace, base: EngineConfig) -> int:

@@ -1,5 +1,6 @@
 """Offline throughput: run a workload through the engine (continuous or static
-batching) or through Hugging Face ``generate`` with static batches, and report
+batching), through Hugging Face ``generate`` with static batches, or through
+Hugging Face's own continuous batching (paged attention), and report
 requests/s, tokens/s, slot occupancy, idle slot-steps and the fraction of the
 machine's matmul roofline that the engine reaches."""
 
@@ -148,16 +149,24 @@ def _warm_up(engine: EngineCore) -> None:
     engine.reset_prefix_cache()
 
 
-def run_hf_generate(model_dir: Path, requests: list[BenchRequest], *, batch_size: int,
-                    ignore_eos: bool, dtype: torch.dtype = torch.float32,
-                    pad_token_id: int = 0, eos_token_ids: list[int] | None = None) -> ThroughputResult:
-    """Hugging Face transformers ``generate`` over static batches with left padding:
-    each batch runs until its longest request is done."""
+def _hf_model(model_dir: Path, requests: list[BenchRequest], dtype: torch.dtype,
+              device: torch.device) -> torch.nn.Module:
     import transformers  # optional: the `bench` and `test` extras
 
-    if any(r.follows is not None for r in requests):
-        raise ValueError("the hf baseline runs independent requests, not conversations")
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if any(r.follows is not None or r.prompt_token_ids is None for r in requests):
+        raise ValueError("the Hugging Face baselines run independent token-id prompts, "
+                         "not conversations")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device).eval()
+
+
+def run_hf_generate(model_dir: Path, requests: list[BenchRequest], *, batch_size: int,
+                    ignore_eos: bool, dtype: torch.dtype = torch.float32,
+                    device: torch.device = torch.device("cpu"), pad_token_id: int = 0,
+                    eos_token_ids: list[int] | None = None) -> ThroughputResult:
+    """Hugging Face transformers ``generate`` over static batches with left padding:
+    each batch runs until its longest request is done."""
+    model = _hf_model(model_dir, requests, dtype, device)
     batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
     _hf_generate_batch(model, batches[0][:2], ignore_eos, pad_token_id, eos_token_ids, max_new=2)
     prompt_tokens = output_tokens = steps = idle = padded = 0
@@ -176,6 +185,7 @@ def run_hf_generate(model_dir: Path, requests: list[BenchRequest], *, batch_size
             idle += batch_size - live
             padded += len(batch) - live
         steps += longest
+    _synchronize(device)
     wall = time.perf_counter() - start
     return ThroughputResult(
         label="hf-generate", max_num_seqs=batch_size, num_requests=len(requests),
@@ -184,20 +194,60 @@ def run_hf_generate(model_dir: Path, requests: list[BenchRequest], *, batch_size
         idle_slot_steps=idle, padded_slot_steps=padded, occupancy=occupancy)
 
 
+def run_hf_continuous(model_dir: Path, requests: list[BenchRequest], *, ignore_eos: bool,
+                      dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
+                      eos_token_ids: list[int] | None = None) -> ThroughputResult:
+    """Hugging Face transformers' own continuous batching (``generate_batch``'s
+    manager, paged attention): every request submitted at once, each with its
+    own ``max_new_tokens``; timed from the first submission (after the
+    manager's start-up and warm-up) to the last result."""
+    import transformers
+
+    model = _hf_model(model_dir, requests, dtype, device)
+    config = transformers.GenerationConfig(
+        do_sample=False, max_new_tokens=max(r.max_tokens for r in requests),
+        eos_token_id=None if ignore_eos else eos_token_ids, pad_token_id=0)
+    outputs: dict[str, Any] = {}
+    with model.continuous_batching_context_manager(generation_config=config, block=True,
+                                                   timeout=60) as manager:
+        start = time.perf_counter()
+        for i, r in enumerate(requests):
+            manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.max_tokens)
+        while len(outputs) < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                if result.error:
+                    raise RuntimeError(f"Hugging Face request {result.request_id}: {result.error}")
+                outputs[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("Hugging Face's continuous batching stopped unexpectedly")
+        wall = time.perf_counter() - start
+    output_tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    return ThroughputResult(
+        label="hf-continuous", max_num_seqs=0, num_requests=len(requests),
+        prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+        output_tokens=output_tokens, wall_seconds=wall, steps=0, mean_occupancy=0.0,
+        idle_slot_steps=0)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.inference_mode()
 def _hf_generate_batch(model: torch.nn.Module, batch: list[BenchRequest], ignore_eos: bool,
                        pad_token_id: int, eos_token_ids: list[int] | None,
                        max_new: int | None = None) -> list[list[int]]:
-    if any(r.prompt_token_ids is None for r in batch):
-        raise ValueError("the Hugging Face baseline needs token-id prompts")
     width = max(len(r.prompt_token_ids) for r in batch)
+    device = next(model.parameters()).device
     ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for i, r in enumerate(batch):
         ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
         mask[i, width - len(r.prompt_token_ids):] = 1
     longest = max_new or max(r.max_tokens for r in batch)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                          max_new_tokens=longest, min_new_tokens=longest if ignore_eos else None,
                          pad_token_id=pad_token_id,
                          eos_token_id=None if ignore_eos else eos_token_ids)

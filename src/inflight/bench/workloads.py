@@ -39,13 +39,29 @@ class BenchRequest:
 SYNTHETIC = ("mixed", "sharegpt-like", "uniform", "shared-prefix", "multi-turn")
 
 
+Length = int | tuple[int, int]  # a fixed length, or uniform in [low, high]
+
+
+def parse_length(text: str) -> Length:
+    """``"128"`` or ``"100-1024"`` (uniform in that range, both ends included)."""
+    low, sep, high = text.partition("-")
+    try:
+        value = (int(low), int(high)) if sep else int(low)
+    except ValueError:
+        value = None
+    if value is None or min(value if sep else (value,)) < 1 or (sep and value[0] > value[1]):
+        raise ValueError(f"a length must be N or LOW-HIGH with 1 <= LOW <= HIGH, got {text!r}")
+    return value
+
+
 def synthetic(name: str, num_requests: int, seed: int, vocab_size: int, max_model_len: int,
-              special_ids: frozenset[int] = frozenset(), input_len: int = 128,
-              output_len: int = 128, prefix_len: int = 1000,
+              special_ids: frozenset[int] = frozenset(), input_len: Length = 128,
+              output_len: Length = 128, prefix_len: int = 1000,
               turns: int = 4) -> list[BenchRequest]:
     """``mixed``: prompts uniform in 16..256 tokens, outputs 16/64/256 with weights
     .5/.3/.2; ``sharegpt-like``: log-normal lengths with ShareGPT's means, clipped
-    to the context; ``uniform``: every request ``input_len`` in, ``output_len`` out;
+    to the context; ``uniform``: every request ``input_len`` in, ``output_len`` out
+    (a length may be a range, drawn uniformly per request);
     ``shared-prefix``: one ``prefix_len``-token system prompt before every
     request's own 16..48-token question, ``output_len`` out; ``multi-turn``:
     conversations of ``turns`` requests, each turn sent when the previous one is
@@ -57,13 +73,16 @@ def synthetic(name: str, num_requests: int, seed: int, vocab_size: int, max_mode
     def prompt(n: int) -> list[int]:
         return [rng.choice(ordinary) for _ in range(n)]
 
+    def length(value: Length) -> int:
+        return rng.randint(*value) if isinstance(value, tuple) else value
+
     def lognormal(mean: float) -> int:
         mu = math.log(mean) - SHAREGPT_SIGMA ** 2 / 2
         return max(1, round(rng.lognormvariate(mu, SHAREGPT_SIGMA)))
 
     if name == "shared-prefix":
         system = prompt(prefix_len)
-        requests = [BenchRequest(system + prompt(rng.randint(16, 48)), output_len)
+        requests = [BenchRequest(system + prompt(rng.randint(16, 48)), length(output_len))
                     for _ in range(num_requests)]
         return _fitting(requests, name, max_model_len)
     if name == "multi-turn":
@@ -71,9 +90,9 @@ def synthetic(name: str, num_requests: int, seed: int, vocab_size: int, max_mode
         for i in range(num_requests):
             first = i % turns == 0
             size = rng.randint(64, 256) + rng.randint(16, 64) if first else rng.randint(16, 64)
-            requests.append(BenchRequest(prompt(size), output_len,
+            requests.append(BenchRequest(prompt(size), length(output_len),
                                          follows=None if first else i - 1))
-        longest = max(sum(len(requests[j].prompt_token_ids) + output_len
+        longest = max(sum(len(requests[j].prompt_token_ids) + requests[j].max_tokens
                           for j in range(i - i % turns, i + 1)) for i in range(num_requests))
         if longest > max_model_len:
             raise ValueError(f"a multi-turn conversation reaches {longest} tokens, more than "
@@ -88,7 +107,7 @@ def synthetic(name: str, num_requests: int, seed: int, vocab_size: int, max_mode
             n_in = min(lognormal(SHAREGPT_INPUT_MEAN), max_model_len // 2)
             n_out = min(lognormal(SHAREGPT_OUTPUT_MEAN), max_model_len - n_in)
         elif name == "uniform":
-            n_in, n_out = input_len, output_len
+            n_in, n_out = length(input_len), length(output_len)
         else:
             raise ValueError(f"workload must be a file or one of {SYNTHETIC}, got {name!r}")
         requests.append(BenchRequest(prompt(n_in), n_out))
