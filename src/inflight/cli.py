@@ -96,6 +96,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="end with an error a request not scheduled within this time")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, how long in-flight requests may take to finish")
+    ray_group = srv.add_argument_group(
+        "scale-out on Ray Serve (pip install 'inflight[ray]')",
+        "with --replicas or --autoscale, engines run as replicas of a Ray Serve deployment "
+        "behind one endpoint")
+    scale = ray_group.add_mutually_exclusive_group()
+    scale.add_argument("--replicas", type=int, default=None, help="this many engine replicas")
+    scale.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                       help="between MIN and MAX replicas, on waiting requests and KV usage")
+    ray_group.add_argument("--ray-address", default=None,
+                           help="join this Ray cluster (default: start a local one)")
+    ray_group.add_argument("--router", choices=["prefix", "pow2", "round-robin"],
+                           default="prefix", help="how requests are spread over the replicas")
+    ray_group.add_argument("--replica-cpus", type=float, default=1.0,
+                           help="Ray CPUs per replica (threads: --num-threads)")
+    ray_group.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
+    ray_group.add_argument("--stream-interval-ms", type=float, default=10.0,
+                           help="a replica sends a stream's tokens at most this often")
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
 
@@ -166,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None or args.autoscale is not None:
+        return _serve_on_ray(args)
     from inflight.server.launch import serve
 
     serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
@@ -174,6 +193,28 @@ def _serve(args: argparse.Namespace) -> int:
           max_waiting_per_tenant=args.max_waiting_per_tenant,
           max_queue_wait=args.max_queue_wait, shutdown_timeout=args.shutdown_timeout,
           log_level=args.log_level.lower())
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    try:
+        from inflight.ray.app import (DeploymentOptions, ReplicaOptions, parse_autoscale,
+                                      serve_on_ray)
+    except ImportError as e:
+        raise ValueError(f"--replicas and --autoscale need Ray Serve: pip install "
+                         f"'inflight[ray]' ({e})") from None
+    deployment = DeploymentOptions(
+        replicas=args.replicas or 1,
+        autoscale=parse_autoscale(args.autoscale) if args.autoscale else None,
+        router=args.router, replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
+        api_key=args.api_key)
+    replica = ReplicaOptions(
+        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_per_tenant=args.max_waiting_per_tenant, max_queue_wait=args.max_queue_wait,
+        stream_interval_s=args.stream_interval_ms / 1000,
+        served_model_name=args.served_model_name)
+    serve_on_ray(engine_config_from_args(args), deployment, replica, host=args.host,
+                 port=args.port, ray_address=args.ray_address)
     return 0
 
 

@@ -142,6 +142,10 @@ class KVCacheManager:
         return extend_block_hashes(request.block_hashes, request.all_token_ids, num_tokens,
                                    self.block_size, request.cache_salt)
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """The hashes of every block findable in the prefix cache."""
+        return list(self._cached)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (in use ones stay with their requests);
         returns how many were forgotten."""

@@ -23,16 +23,19 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
-from inflight.engine.client import EngineLoad, ModelInfo
+from inflight.engine.client import EngineLoad, ModelInfo, TokenizerOps
 from inflight.engine.engine_core import EngineCore, PreparedRequest, PromptType, StepStats
 from inflight.engine.factory import build_engine_core
 from inflight.engine.output import OutputKind, RequestOutput
+from inflight.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
@@ -64,7 +67,7 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class AsyncEngine:
+class AsyncEngine(TokenizerOps):
     def __init__(self, config: EngineConfig, *, max_waiting_requests: int | None = None,
                  max_waiting_per_tenant: int | None = None,
                  max_queue_wait: float | None = None,
@@ -92,7 +95,7 @@ class AsyncEngine:
         self._on_step = on_step
         self._on_abort = on_abort
         self._lock = threading.Condition()
-        self._inbox: list[tuple[str, PreparedRequest | str]] = []
+        self._inbox: list[tuple[str, Any]] = []
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._dead: BaseException | None = None
@@ -127,25 +130,9 @@ class AsyncEngine:
     def load(self) -> EngineLoad:
         return self._load
 
-    # Tokenizer operations (EngineClient).
     @property
-    def has_tokenizer(self) -> bool:
-        return self.core.tokenizer is not None
-
-    def _tokenizer(self):  # noqa: ANN202 - inflight.model.tokenizer.Tokenizer
-        if self.core.tokenizer is None:
-            raise ValueError("this engine has no tokenizer (skip_tokenizer_init is set)")
+    def tokenizer(self) -> Tokenizer | None:
         return self.core.tokenizer
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer().encode(text, add_special_tokens)
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tokenizer().decode(token_ids, skip_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        return self._tokenizer().apply_chat_template(messages, add_generation_prompt)
 
     async def abort(self, request_id: str) -> None:
         """End a request wherever it is, freeing its KV blocks; a reader of its
@@ -209,13 +196,20 @@ class AsyncEngine:
                     self._lock.notify()
 
     async def reset_prefix_cache(self) -> int:
-        """Forget the prefix cache (done by the loop thread between steps);
-        returns how many cached blocks were forgotten."""
-        if self._dead is not None:
-            raise EngineDeadError(str(self._dead))
-        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        """Forget the prefix cache; returns how many cached blocks were forgotten."""
+        return await self.run_in_loop(lambda core: core.reset_prefix_cache())
+
+    async def cached_block_hashes(self) -> list[bytes]:
+        """The hashes of the blocks in the prefix cache (for routers)."""
+        return await self.run_in_loop(lambda core: core.kv_cache.cached_block_hashes())
+
+    async def run_in_loop(self, fn: Callable[[EngineCore], T]) -> T:
+        """``fn(core)``, run by the loop thread between two steps."""
+        if self._dead is not None or self._stopping:
+            raise EngineDeadError(str(self._dead or "the engine is shutting down"))
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
-            self._inbox.append(("reset_prefix_cache", done))
+            self._inbox.append(("call", (fn, done)))
             self._lock.notify()
         return await asyncio.wrap_future(done)
 
@@ -253,8 +247,12 @@ class AsyncEngine:
                         self._submit(item)
                     elif kind == "abort":
                         self._abort(item)
-                    else:  # "reset_prefix_cache"
-                        item.set_result(core.reset_prefix_cache())
+                    else:  # "call"
+                        fn, done = item
+                        try:
+                            done.set_result(fn(core))
+                        except Exception as e:  # noqa: BLE001 - the caller's to handle
+                            done.set_exception(e)
                 if self.max_queue_wait is not None:
                     for rid in core.abort_waiting_older_than(self.max_queue_wait):
                         self._fail(rid, QueueTimeoutError(
@@ -277,6 +275,9 @@ class AsyncEngine:
         error = EngineDeadError(f"the engine stopped: {self._dead or 'shutting down'}")
         with self._lock:
             streams = list(self._streams.values())
+            unanswered = [item[1] for kind, item in self._inbox if kind == "call"]
+        for done in unanswered:
+            done.set_exception(error)
         for stream in streams:
             stream.put(error)
 

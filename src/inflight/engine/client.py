@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.output import RequestOutput
+from inflight.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -61,3 +62,29 @@ class EngineClient(Protocol):
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str: ...
+
+
+class TokenizerOps:
+    """The EngineClient's tokenizer operations over a client's ``tokenizer``
+    (None when the engine runs on token ids only)."""
+
+    tokenizer: Tokenizer | None
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.tokenizer is not None
+
+    def _tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init is set)")
+        return self.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer().encode(text, add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer().decode(token_ids, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        return self._tokenizer().apply_chat_template(messages, add_generation_prompt)

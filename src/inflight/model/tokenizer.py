@@ -48,6 +48,10 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(chat_template)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its definition (a Ray ingress gets its replicas' tokenizer)."""
+        return (_rebuild, (self._tok.to_str(), self.chat_template, self.special_tokens))
+
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
         tok_file = path / "tokenizer.json"
@@ -113,6 +117,11 @@ class Tokenizer:
                                          **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
+
+
+def _rebuild(definition: str, chat_template: str | None,
+             special_tokens: dict[str, str]) -> Tokenizer:
+    return Tokenizer(HFTokenizer.from_str(definition), chat_template, special_tokens)
 
 
 def normalize_chat_message(message: Any, index: int = 0) -> dict[str, str]:

@@ -8,12 +8,12 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -21,7 +21,6 @@ from inflight.engine.async_engine import (EngineDeadError, QueueFullError, Queue
                                           RequestAbortedError, RequestFailedError)
 from inflight.engine.client import EngineClient
 from inflight.server import protocol as p
-from inflight.server.metrics import EngineMetrics
 from inflight.server.openai_serving import InvalidRequest, OpenAIServing, check_body, error_json
 
 logger = logging.getLogger(__name__)
@@ -79,7 +78,14 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param
 
 
-def build_app(engine: EngineClient, *, model_name: str, metrics: EngineMetrics,
+class MetricsSource(Protocol):
+    """What /metrics serves: an engine's metrics (``server.metrics.EngineMetrics``),
+    or a deployment's, gathered from its replicas."""
+
+    async def exposition(self) -> bytes: ...
+
+
+def build_app(engine: EngineClient, *, model_name: str, metrics: MetricsSource,
               api_key: str | None = None) -> FastAPI:
     serving = OpenAIServing(engine, model_name)
     app = FastAPI(title="inflight", version="0.1.0")
@@ -168,7 +174,7 @@ def build_app(engine: EngineClient, *, model_name: str, metrics: EngineMetrics,
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from inflight.engine.client import EngineLoad
 from inflight.engine.engine_core import StepStats
@@ -70,6 +70,10 @@ class EngineMetrics:
         self.generation_tokens_per_request = histogram(
             "inflight:request_generation_tokens", "Tokens generated per finished sequence.",
             TOKEN_BUCKETS)
+
+    async def exposition(self) -> bytes:
+        """The Prometheus text of every metric."""
+        return generate_latest(self.registry)
 
     def watch(self, load: Callable[[], EngineLoad]) -> None:
         """Read the gauges from ``load()`` at every scrape."""
