@@ -46,11 +46,14 @@ class FakeWorker:
                         b[dst, o] = a[src, o]
 
     def execute(self, out: SchedulerOutput) -> list[list[int]]:
+        """Per request, its accepted tokens: with drafts (the last of its new
+        tokens), those equal to what the 'model' predicts, then one more."""
         bs, kv = self.kv.block_size, self.kv
         sampled: list[list[int]] = []
-        for request, n in zip(out.requests, out.num_new_tokens):
+        drafts_of = out.draft_token_ids or [[] for _ in out.requests]
+        for request, n, drafts in zip(out.requests, out.num_new_tokens, drafts_of):
             table, start = kv.block_ids(request.request_id), request.num_computed_tokens
-            tokens = request.all_token_ids
+            tokens = request.all_token_ids + list(drafts)  # what this step computes
             for p in range(start):  # the context it attends to
                 assert self.device.get((table[p // bs], p % bs)) == (tokens[p], p), (
                     f"{request.request_id} reads wrong KV at position {p}")
@@ -59,13 +62,31 @@ class FakeWorker:
                 assert kv.ref_count(block) == 1, "a shared block is written"
                 assert kv.block_hash(block) is None, "a cached block is written"
                 self.device[block, p % bs] = (tokens[p], p)
+            self.check_cached_blocks(request.request_id, request.all_token_ids)
             self.computed_prompt_tokens += max(0, min(start + n, request.num_prompt_tokens) - start)
-            if start + n == request.num_tokens:
+            if start + n == len(tokens):
                 sample = int(request.request_id.partition("#")[2] or 0)
-                sampled.append([next_token(tokens, sample)])
+                known = request.all_token_ids
+                accepted = [next_token(known, sample)]
+                for draft in drafts:
+                    if draft != accepted[-1]:
+                        break
+                    known = known + [draft]
+                    accepted.append(next_token(known, sample))
+                sampled.append(accepted)
             else:
                 sampled.append([])
         return sampled
+
+    def check_cached_blocks(self, request_id: str, tokens: list[int]) -> None:
+        """Every block of the request that is in the prefix cache holds its
+        tokens (never a rejected draft)."""
+        bs, kv = self.kv.block_size, self.kv
+        for i, block in enumerate(kv.block_ids(request_id)):
+            if kv.block_hash(block) is not None:
+                for p in range(i * bs, (i + 1) * bs):
+                    assert self.device.get((block, p % bs)) == (tokens[p], p), (
+                        f"cached block {block} of {request_id} holds another token at {p}")
 
 
 def check_accounting(kv: KVCacheManager) -> None:

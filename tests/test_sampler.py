@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from inflight.core.sampling_params import SamplingParams
-from inflight.worker.sampler import Sampler, SamplingRow
+from inflight.worker.sampler import Sampler, SamplingRow, position_seed
 
 V = 8
 
@@ -54,16 +54,16 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(freq[:3], probs[:3], atol=0.03)
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+def test_seeded_rows_depend_on_seed_and_position_only():
     logits = torch.randn(1, 200)
 
-    def draws(position: int, batch: int, sampler_seed: int) -> list[int]:
-        generator = torch.Generator().manual_seed(42)
+    def draws(position: int, batch: int, sampler_seed: int, seed: int = 42) -> list[int]:
         sampler = Sampler(torch.device("cpu"), sampler_seed)
         tokens = []
-        for _ in range(10):
+        for step in range(10):
             rows = [row(temperature=1.0) for _ in range(batch)]
-            rows[position] = SamplingRow(SamplingParams(temperature=1.0, seed=42), generator)
+            rows[position] = SamplingRow(SamplingParams(temperature=1.0, seed=seed),
+                                         position=100 + step)
             batch_logits = torch.randn(batch, 200)
             batch_logits[position] = logits[0]
             tokens.append(sampler.sample(batch_logits, rows).token_ids[position])
@@ -72,6 +72,17 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     reference = draws(0, 1, 0)
     assert draws(2, 5, 1) == reference and draws(4, 7, 2) == reference
     assert len(set(reference)) > 1
+    assert draws(0, 1, 0, seed=43) != reference
+    # A position's draw is the same whatever was drawn before it.
+    sampler = Sampler(torch.device("cpu"), 0)
+    alone = sampler.sample(logits.clone(), [SamplingRow(SamplingParams(temperature=1.0, seed=42),
+                                                        position=105)]).token_ids
+    assert alone == [reference[5]]
+
+
+def test_position_seeds_are_spread():
+    seeds = {position_seed(s, p) for s in range(50) for p in range(50)}
+    assert len(seeds) == 2500 and all(0 <= x < 2**63 for x in seeds)
 
 
 def test_banned_tokens_are_never_sampled():

@@ -6,7 +6,7 @@ that every KV read sees the right tokens and nothing shared is written."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from inflight.core.kv_cache_manager import KVCacheManager, cdiv
@@ -113,6 +113,22 @@ def check_step(sched: Scheduler, out, o: dict) -> None:
 @settings(max_examples=1000, deadline=None)
 @given(o=options, specs=st.lists(request_spec, min_size=1, max_size=12),
        aborts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 11)), max_size=3))
+# Found by this test: a static batch whose prompt chunks gave way to an
+# outranking newcomer that could not be admitted, with no free block: no
+# request could run again.
+@example(o=dict(policy='fair', max_num_seqs=5, drop_expired=False, host_blocks=0, chunked=True, tenant_cap=None, num_blocks=36, caching=False, static=True, block_size=1, preemption_mode='recompute', budget=2, preempt_for_priority=True),
+         specs=[dict(arrival=12, prompt=[38, 25, 29, 17], n=1, max_tokens=7, priority=0, tenant=None, deadline=None, expected=None, shared_prefix=False),
+                dict(arrival=7, prompt=[26], n=1, max_tokens=2, priority=0, tenant='a', deadline=None, expected=None, shared_prefix=False),
+                dict(arrival=7, prompt=[40, 21], n=3, max_tokens=9, priority=0, tenant='a', deadline=None, expected=None, shared_prefix=False),
+                dict(arrival=12, prompt=[18, 19, 10, 12, 40, 40, 20, 48, 33, 4, 27, 1], n=1, max_tokens=16, priority=0, tenant=None, deadline=None, expected=None, shared_prefix=False),
+                dict(arrival=2, prompt=[1], n=1, max_tokens=1, priority=0, tenant=None, deadline=None, expected=None, shared_prefix=False),
+                dict(arrival=0, prompt=[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], n=1, max_tokens=1, priority=0, tenant=None, deadline=None, expected=None, shared_prefix=True),
+                dict(arrival=0, prompt=[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], n=1, max_tokens=1, priority=0, tenant='a', deadline=None, expected=None, shared_prefix=False),
+                dict(arrival=0, prompt=[1], n=1, max_tokens=1, priority=0, tenant=None, deadline=None, expected=None, shared_prefix=False),
+                dict(arrival=0, prompt=[1], n=1, max_tokens=1, priority=0, tenant=None, deadline=None, expected=None, shared_prefix=False),
+                dict(arrival=0, prompt=[1], n=1, max_tokens=1, priority=0, tenant=None, deadline=None, expected=None, shared_prefix=False),
+                dict(arrival=0, prompt=[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], n=1, max_tokens=1, priority=0, tenant='b', deadline=None, expected=None, shared_prefix=False)],
+         aborts=[])
 def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
     clock = StepClock()
     sched = build(o, clock)

@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-        if f.name in ("kv_cache_memory", "swap_space"):
+        if f.name in ("kv_cache_memory", "swap_space", "speculative_config"):
             kind = str
         group.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
 
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput of one workload")
-    _add_bench_args(tp, exclude=("enable_prefix_caching",))
+    _add_bench_args(tp, exclude=("enable_prefix_caching", "speculative_config"))
     tp.add_argument("--scheduling", dest="scheduling_list", default="continuous",
                     help="comma list of continuous, static")
     tp.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--baseline", choices=["hf", "hf-continuous"], default=None,
                     help="also run Hugging Face transformers: generate with static batches "
                          "(hf) or its continuous batching, generate_batch (hf-continuous)")
+    tp.add_argument("--speculative", dest="speculative_list", default="",
+                    help="comma list of ngram, off: speculative decoding per run "
+                         "(default: off)")
+    tp.add_argument("--num-speculative-tokens", type=int, default=4,
+                    help="drafts per request and step when speculating")
     tp.add_argument("--hf-batch-size", type=int, default=16)
     tp.add_argument("--profile", action="store_true", help="print where a step's time goes")
     tp.add_argument("--model-stub", action="store_true",
@@ -143,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model", default=None, help="model name (default: the server's first)")
     load = sv.add_mutually_exclusive_group()
     load.add_argument("--scenario", default="chat",
-                      help="built-in request classes: priority, tenants, light-alone, chat")
+                      help="built-in request classes: priority, tenants, light-alone, chat, "
+                           "multi-tenant (8 tenants, each with its own 1,024-token system "
+                           "prompt)")
     load.add_argument("--workload-file", default=None,
                       help='JSON: {"classes": [...]} or {"requests": [...]}')
     sv.add_argument("--duration", type=float, default=60.0,
@@ -167,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--label", default=None, help="name of this run in outputs and plots")
     sv.add_argument("--output-json", default=None, help="write the results here")
     sv.add_argument("--plot", default=None, help="PNG of latency percentiles per class")
+    sv.add_argument("--plot-summary", default=None,
+                    help="PNG of each run's prefix-cache hit rate, mean TTFT and throughput")
     sv.add_argument("--compare", nargs="*", default=[],
                     help="JSON outputs of earlier runs to plot beside this one")
     sv.set_defaults(func=_bench_serve)
@@ -275,6 +284,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
             concurrency=args.concurrency, seed=args.seed))
     if args.plot:
         serving.plot(runs, Path(args.plot))
+    if args.plot_summary:
+        serving.plot_summary(runs, Path(args.plot_summary))
     return 0
 
 

@@ -3,6 +3,7 @@ the same names, dashed (``max_num_seqs`` is ``--max-num-seqs``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -82,6 +83,9 @@ class EngineConfig:
     # CUDA: fixed-tiling matrix products and attention splits, so that a request's
     # tokens do not depend on the rest of the batch (the CPU kernels already are).
     batch_invariant: bool = False
+    # Speculative decoding, vLLM's JSON: {"method": "ngram", "num_speculative_tokens":
+    # 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}. None: off.
+    speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, allow_none: bool = False) -> None:
@@ -126,6 +130,13 @@ class EngineConfig:
                              f"got {self.kernel_backend!r}")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+        if self.speculative_config is not None:
+            from inflight.spec_decode.config import SpeculativeConfig
+
+            parsed = SpeculativeConfig.parse(self.speculative_config)
+            self.speculative_config = dataclasses.asdict(parsed)
+            if self.scheduling == "static":
+                raise ValueError("speculative_config needs continuous scheduling")
         from inflight.core.policy import POLICIES
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, "

@@ -64,6 +64,14 @@ def _on_off(text: str) -> bool:
     return text == "on"
 
 
+def _speculative(name: str, k: int) -> dict[str, Any] | None:
+    if name == "off":
+        return None
+    if name != "ngram":
+        raise ValueError(f"--speculative takes ngram or off, got {name!r}")
+    return {"method": name, "num_speculative_tokens": k}
+
+
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -81,15 +89,19 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     preemption = [m for m in args.preemption_list.split(",") if m] or [base.preemption_mode]
     caching = ([_on_off(x) for x in args.prefix_caching_list.split(",") if x]
                or [base.enable_prefix_caching])
+    speculation = [x for x in args.speculative_list.split(",") if x] or ["off"]
     results: list[ThroughputResult] = []
     requests = None
     engine = None
-    for mode, preempt, cache, n in itertools.product(modes, preemption, caching, seqs):
+    for mode, preempt, cache, spec, n in itertools.product(modes, preemption, caching,
+                                                           speculation, seqs):
         engine = _engine(base, args.model_stub, scheduling=mode, max_num_seqs=n,
-                         preemption_mode=preempt, enable_prefix_caching=cache)
+                         preemption_mode=preempt, enable_prefix_caching=cache,
+                         speculative_config=_speculative(spec, args.num_speculative_tokens))
         requests = requests or load_workload(args, engine)
         label = "/".join([mode] + [preempt] * (len(preemption) > 1)
-                         + [f"cache-{'on' if cache else 'off'}"] * (len(caching) > 1))
+                         + [f"cache-{'on' if cache else 'off'}"] * (len(caching) > 1)
+                         + [f"spec-{spec}"] * (len(speculation) > 1))
         print(f"running {label} batching, max_num_seqs={n}, {len(requests)} requests ...",
               flush=True)
         results.append(run_engine(engine, requests, label=label,
@@ -122,7 +134,8 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
     width = max(12, *(len(r.label) + 2 for r in results))
     print(f"{'run':<{width}}{'seqs':>5}{'req/s':>8}{'out tok/s':>11}{'total tok/s':>13}"
           f"{'occupancy':>11}{'idle slot-steps':>17}{'(padded)':>10}{'steps':>7}{'wall s':>8}"
-          f"{'preempt':>9}{'computed tok':>14}{'TTFT s':>8}{'prefix hit':>12}")
+          f"{'preempt':>9}{'computed tok':>14}{'TTFT s':>8}{'prefix hit':>12}"
+          f"{'accepted':>10}{'run len':>9}")
     for r in results:
         hit = "-" if r.prefix_cache_hit_rate is None else f"{100 * r.prefix_cache_hit_rate:.1f}%"
         print(f"{r.label:<{width}}{r.max_num_seqs:>5}{r.requests_per_second:>8.2f}"
@@ -130,7 +143,9 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
               f"{100 * r.mean_occupancy:>10.1f}%{r.idle_slot_steps:>17}{r.padded_slot_steps:>10}"
               f"{r.steps:>7}{r.wall_seconds:>8.1f}{r.preemptions:>9}{r.computed_tokens or '-':>14}"
               f"{r.mean_ttft_seconds:>8.2f}"
-              f"{hit:>12}")
+              f"{hit:>12}"
+              f"{'-' if r.spec_acceptance_rate is None else f'{100 * r.spec_acceptance_rate:.1f}%':>10}"
+              f"{'-' if r.spec_mean_accepted_length is None else f'{r.spec_mean_accepted_length:.2f}':>9}")
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
         "workload": {"name": args.workload, "num_requests": len(requests),
@@ -187,6 +202,11 @@ def _ratios(results: list[ThroughputResult]) -> dict[str, float]:
         if mode == "swap" and (f"{base}/recompute", n) in by:
             ratios[f"swap/recompute total tokens/s at max_num_seqs={n}"] = (
                 r.total_tokens_per_second / by[f"{base}/recompute", n].total_tokens_per_second)
+    for (label, n), r in by.items():
+        base, _, spec = label.rpartition("/")
+        if spec == "spec-ngram" and (f"{base}/spec-off", n) in by:
+            ratios[f"ngram/off output tokens/s at max_num_seqs={n}"] = (
+                r.output_tokens_per_second / by[f"{base}/spec-off", n].output_tokens_per_second)
     for (label, n), r in by.items():
         base, _, cache = label.rpartition("/")
         if cache == "cache-on" and (f"{base}/cache-off", n) in by:

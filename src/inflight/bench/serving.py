@@ -6,7 +6,9 @@ streamed chunks), time per output token after the first (TPOT), end-to-end
 latency (E2E). Load comes either at a fixed concurrency (closed loop) or as
 arrivals in time (open loop): each request class has its own rate, with Poisson
 (burstiness 1) or gamma-distributed (burstier below 1) gaps. Results are
-reported per class, with goodput under a latency SLO.
+reported per class, with goodput under a latency SLO. Where the server has
+inflight's ``/metrics`` (one engine or a Ray deployment), the prefix-cache hit
+rate of the run is read from its counters before and after.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,6 +45,8 @@ class RequestClass:
     user: str | None = None                 # the tenant
     deadline_ms: float | None = None
     burstiness: float = 1.0                 # gamma shape of the gaps; 1 is Poisson
+    # A system prompt of this many tokens, the class's own, before every prompt.
+    system_prompt_tokens: int = 0
 
 
 @dataclass
@@ -94,6 +99,12 @@ SCENARIOS: dict[str, list[RequestClass]] = {
                      user="tenant-light"),
     ],
     "chat": [RequestClass("chat", rate=1.0, prompt_tokens=(32, 128), output_tokens=(64, 128))],
+    # Eight tenants, each with its own 1,024-token system prompt before short
+    # questions: what prefix-aware routing across replicas is for.
+    "multi-tenant": [
+        RequestClass(f"tenant-{i}", rate=0.09, prompt_tokens=(16, 48), output_tokens=(32, 32),
+                     user=f"tenant-{i}", system_prompt_tokens=1024)
+        for i in range(8)],
 }
 
 
@@ -118,6 +129,9 @@ def build_requests(classes: list[RequestClass], duration: float, seed: int,
     rng = random.Random(seed)
     specs = []
     for cls in classes:
+        # Its own generator, so that a class's system prompt does not depend
+        # on the classes before it.
+        system = text_of_length(random.Random(f"{seed}/{cls.name}"), cls.system_prompt_tokens)
         times = []
         if cls.count is not None:
             times = [0.0] * cls.count
@@ -130,8 +144,9 @@ def build_requests(classes: list[RequestClass], duration: float, seed: int,
                     break
                 times.append(t)
         for t in times:
+            question = text_of_length(rng, rng.randint(*cls.prompt_tokens))
             specs.append(RequestSpec(
-                cls.name, t, text_of_length(rng, rng.randint(*cls.prompt_tokens)),
+                cls.name, t, f"{system} {question}" if system else question,
                 rng.randint(*cls.output_tokens), cls.priority, cls.user, cls.deadline_ms))
     specs.sort(key=lambda s: s.arrival)
     return specs
@@ -254,8 +269,38 @@ def summarize(values: list[float]) -> dict[str, float]:
     return out
 
 
+PREFIX_COUNTERS = ("inflight:prefix_cache_queries_total", "inflight:prefix_cache_hits_total")
+
+
+async def prefix_counters(http: httpx.AsyncClient, url: str) -> dict[str, float] | None:
+    """The server's prefix-cache counters (summed over replicas), or None where
+    it has no such metrics."""
+    try:
+        response = await http.get(f"{url}/metrics", timeout=30)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    totals = dict.fromkeys(PREFIX_COUNTERS, 0.0)
+    found = False
+    for line in response.text.splitlines():
+        match = re.match(r"([^{\s#]+)(?:\{[^}]*\})?\s+(\S+)$", line)
+        if match is not None and match.group(1) in totals:
+            totals[match.group(1)] += float(match.group(2))
+            found = True
+    return totals if found else None
+
+
+def hit_rate(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Prompt tokens found in the prefix cache over those looked up, between two scrapes."""
+    if before is None or after is None:
+        return None
+    queries, hits = (after[k] - before[k] for k in PREFIX_COUNTERS)
+    return hits / queries if queries > 0 else None
+
+
 def report(results: list[RequestResult], wall: float, slo_ttft: float | None,
-           slo_tpot: float | None) -> dict[str, Any]:
+           slo_tpot: float | None, prefix_hit_rate: float | None = None) -> dict[str, Any]:
     """Latency percentiles, throughput and goodput, overall and per class."""
     def block(rs: list[RequestResult]) -> dict[str, Any]:
         ok = [r for r in rs if r.ok]
@@ -276,6 +321,7 @@ def report(results: list[RequestResult], wall: float, slo_ttft: float | None,
 
     classes = sorted({r.cls for r in results})
     return {"wall_seconds": wall, "slo": {"ttft_seconds": slo_ttft, "tpot_seconds": slo_tpot},
+            "prefix_cache_hit_rate": prefix_hit_rate,
             "overall": block(results),
             "classes": {c: block([r for r in results if r.cls == c]) for c in classes}}
 
@@ -298,6 +344,9 @@ def print_report(title: str, data: dict[str, Any]) -> None:
         for error in block["errors"]:
             print(f"    error ({block['failed']} failed): {error}")
     print("  (milliseconds; goodput: requests/s meeting the SLO)")
+    if data.get("prefix_cache_hit_rate") is not None:
+        print(f"  prefix cache hit rate (server's /metrics): "
+              f"{100 * data['prefix_cache_hit_rate']:.1f}% of prompt tokens")
 
 
 def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
@@ -332,15 +381,48 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_summary(runs: dict[str, dict[str, Any]], path: Path) -> None:
+    """One bar per run for each of: prefix-cache hit rate, mean TTFT, output tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(runs)
+    panels = [("prefix cache hit rate (%)",
+               lambda d: 100 * (d.get("prefix_cache_hit_rate") or 0.0)),
+              ("mean TTFT (s)", lambda d: d["overall"]["ttft_seconds"]["mean"]),
+              ("output tokens/s", lambda d: d["overall"]["output_tokens_per_second"])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
+    colors = [plt.get_cmap("tab10")(i) for i in range(len(labels))]
+    for ax, (title, value) in zip(axes, panels):
+        values = [value(runs[label]) for label in labels]
+        bars = ax.bar(range(len(labels)), values, color=colors, edgecolor="black",
+                      linewidth=0.3)
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_xticks(range(len(labels)), labels, rotation=15, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(url: str, model: str | None, specs: list[RequestSpec], concurrency: int | None,
         slo_ttft: float | None, slo_tpot: float | None) -> dict[str, Any]:
     if model is None:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    if concurrency is not None:
-        results, wall = asyncio.run(run_closed_loop(url, model, specs, concurrency))
-    else:
-        results, wall = asyncio.run(run_open_loop(url, model, specs))
-    return report(results, wall, slo_ttft, slo_tpot)
+    async def measured() -> tuple[list[RequestResult], float, float | None]:
+        async with httpx.AsyncClient() as http:
+            before = await prefix_counters(http, url)
+            if concurrency is not None:
+                results, wall = await run_closed_loop(url, model, specs, concurrency)
+            else:
+                results, wall = await run_open_loop(url, model, specs)
+            return results, wall, hit_rate(before, await prefix_counters(http, url))
+
+    results, wall, prefix_hit_rate = asyncio.run(measured())
+    return report(results, wall, slo_ttft, slo_tpot, prefix_hit_rate)
 
 
 def as_json(runs: dict[str, Any], **context: Any) -> str:

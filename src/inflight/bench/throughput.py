@@ -17,6 +17,7 @@ from inflight.bench.profiler import StepProfiler
 from inflight.bench.workloads import BenchRequest
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.engine_core import EngineCore
+from inflight.spec_decode.speculator import SpecStats
 
 
 @dataclass
@@ -38,6 +39,9 @@ class ThroughputResult:
     mean_ttft_seconds: float = 0.0  # arrival (all at the start, or a turn's send) to first token
     prefix_cache_hit_rate: float | None = None  # prompt tokens found cached / looked up
     profile_ms_per_step: dict[str, float] | None = None
+    # Speculative decoding: accepted / drafted tokens, and tokens per verified run.
+    spec_acceptance_rate: float | None = None
+    spec_mean_accepted_length: float | None = None
     # Requests in the batch at each step (for the occupancy timeline).
     occupancy: list[int] = field(default_factory=list, repr=False)
     # Ids of the live and padding requests in the batch at each step (slot picture).
@@ -78,6 +82,7 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
         profiler.attach(engine)
     kv = engine.kv_cache
     queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+    spec = SpecStats()
     followers: dict[int, list[int]] = {}
     for i, r in enumerate(requests):
         if r.follows is not None:
@@ -115,6 +120,8 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
                 for i in followers.get(index_of[out.request_id], ()):
                     pending.add(submit(i, history))
         stats = engine.last_step
+        if stats.spec is not None:
+            spec.add(stats.spec)
         computed += stats.num_tokens
         if stats.num_requests or stats.num_padding:
             steps += 1
@@ -135,6 +142,8 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
         prefix_cache_hit_rate=((kv.prefix_cache_hits - hits) / (kv.prefix_cache_queries - queries)
                                if kv.prefix_cache_queries > queries else None),
         profile_ms_per_step=profiler.report() if profiler else None,
+        spec_acceptance_rate=spec.acceptance_rate,
+        spec_mean_accepted_length=spec.mean_accepted_length,
         occupancy=occupancy, batches=batches, padding=padding)
 
 

@@ -233,6 +233,14 @@ class KVCacheManager:
         self._num_hashed.pop(request_id, None)
         self._host_free.extend(self._host_tables.pop(request_id, ()))
 
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's blocks past its first ``num_tokens`` positions
+        (those that held only rejected draft tokens)."""
+        table = self._tables.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        while table is not None and len(table) > keep:
+            self._release(table.pop())
+
     def _release(self, block: int) -> None:
         self._ref_counts[block] -= 1
         if self._ref_counts[block] == 0:

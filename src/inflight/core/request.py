@@ -67,6 +67,10 @@ class Request:
                                        else expected_output_tokens)
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []  # of its full blocks, filled in lazily
+        # Tokens a proposer guessed to follow (speculative decoding), set before
+        # ``schedule()``, which cuts them to what the step can verify; not part of
+        # ``all_token_ids`` until verified.
+        self.draft_token_ids: list[int] = []
         self.pending_forks: list[Request] = []
         self.fork_parent: Request | None = None  # while this one is a pending fork
         self.num_prompt_tokens = len(prompt_token_ids)

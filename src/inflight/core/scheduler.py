@@ -5,7 +5,10 @@ Each ``schedule()`` call plans one forward step under one token budget
 
 1. running requests first, in admission order: each asks for every token it
    has not computed yet (1 for a decode, the rest of a prompt otherwise), cut
-   to the remaining budget, which is how chunked prefill falls out. When the
+   to the remaining budget, which is how chunked prefill falls out. A decode
+   with draft tokens (speculative decoding) asks for 1 + k: its last token and
+   k drafts to verify, k cut by the budget, the context limit and max_tokens
+   (and dropped before anything is preempted for them). When the
    KV pool cannot hold a request's new tokens, the policy's victim is
    preempted: by recompute (its blocks are freed and ``num_computed_tokens``
    goes back to 0) or by swap (its blocks are copied to a host pool, and back
@@ -21,7 +24,10 @@ prompt, and the step that finishes it forks the others onto its KV blocks.
 
 ``update_from_output()`` applies each request's accepted tokens (one for a
 decode; several when drafts were verified), finishes requests that hit a stop
-condition and frees their blocks in the same step. Static batching, the
+condition and frees their blocks in the same step. After verification
+``num_computed_tokens`` stops after the last accepted draft: the KV written for
+rejected drafts is overwritten by the next step, and a block is registered in
+the prefix cache only once every token in it is accepted. Static batching, the
 baseline, is a subclass (``core.static_scheduler``) that overrides the hooks
 where it differs.
 
@@ -57,6 +63,9 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
+    # The draft tokens each request verifies this step (the last of its
+    # ``num_new_tokens``); empty for most.
+    draft_token_ids: list[list[int]] = field(default_factory=list)
     # Requests that ended or were preempted since the previous step: the
     # worker drops whatever it cached for them (a preempted one comes back
     # with a new block table).
@@ -84,6 +93,8 @@ class SchedulerStats:
     # Steps in which some request computed only part of its pending tokens.
     num_chunked_steps: int = 0
     num_generated_tokens: int = 0  # output tokens handed to callers
+    num_draft_tokens: int = 0      # drafts scheduled for verification
+    num_accepted_draft_tokens: int = 0
 
 
 class Scheduler:
@@ -192,12 +203,19 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(pending, budget)
+            drafts = self._drafts_to_verify(request, pending, budget)
+            num_new += len(drafts)
             end = request.num_computed_tokens + num_new
             table = kv.block_ids(request.request_id)
             preempted_self = False
             # (Most decodes still fit in their last block: no allocation at all.)
             while end > len(table) * block_size and kv.allocate_slots(request.request_id,
                                                                       end) is None:
+                if drafts:  # drafts never cost anyone their KV
+                    num_new -= len(drafts)
+                    end -= len(drafts)
+                    drafts = []
+                    continue
                 victim = self.policy.pick_victim(self.running)
                 if self.running.index(victim) < i:  # passed already: planned or deferred
                     if victim in out.requests:
@@ -212,9 +230,8 @@ class Scheduler:
             if preempted_self:
                 break  # nothing else can fit this step
             chunked |= num_new < pending
-            out.requests.append(request)
-            out.num_new_tokens.append(num_new)
-            out.block_ids.append(kv.block_ids(request.request_id))
+            request.draft_token_ids = drafts
+            self._add_to_output(out, request, num_new)
             budget -= num_new
             i += 1
 
@@ -232,10 +249,10 @@ class Scheduler:
                 continue
             pending = request.num_tokens - request.num_computed_tokens
             num_new = min(pending, budget)
-            if self.kv_cache.allocate_slots(request.request_id,
-                                            request.num_computed_tokens + num_new) is None:
+            if not self._allocate_deferred(out, request, num_new, now):
                 break
             chunked |= num_new < pending
+            request.draft_token_ids = []  # (a deferred request is mid-prompt)
             self._add_to_output(out, request, num_new)
             budget -= num_new
 
@@ -247,6 +264,37 @@ class Scheduler:
                 if n < pending:
                     request.record("chunked", now, f"{n} of {pending} pending tokens")
         return out
+
+    def _allocate_deferred(self, out: SchedulerOutput, request: Request, num_new: int,
+                           now: float) -> bool:
+        """Blocks for a prompt chunk that gave way to a newcomer which was not
+        admitted after all. When the step would otherwise compute nothing, the
+        policy's victims are preempted until it fits (else no request could
+        ever run again: every running one waiting on blocks, no admission)."""
+        kv = self.kv_cache
+        end = request.num_computed_tokens + num_new
+        while kv.allocate_slots(request.request_id, end) is None:
+            if out.requests or not self.running:
+                return False
+            victim = self.policy.pick_victim(self.running)
+            self._preempt(out, victim, "out of KV blocks", now)
+            if victim is request:
+                return False
+        return True
+
+    def _drafts_to_verify(self, request: Request, pending: int, budget: int) -> list[int]:
+        """The request's drafts this step can verify: only for a decode (one
+        pending token, its prompt done), cut so that its 1 + k tokens fit the
+        budget and the context, and at most the tokens it may still generate
+        less the one every step yields."""
+        drafts = request.draft_token_ids
+        if not drafts:
+            return drafts
+        if pending != 1 or request.num_output_tokens == 0 or request.pending_forks:
+            return []
+        room = min(budget - 1, self.max_model_len - request.num_tokens,
+                   request.max_tokens - request.num_output_tokens - 1)
+        return drafts[:max(0, room)]
 
     # ------------------------------------------------ hooks (static batching)
     def _may_admit(self, out: SchedulerOutput) -> bool:
@@ -319,6 +367,7 @@ class Scheduler:
             request.record("resumed" if resumed else "scheduled", now)
             self.running.append(request)
             admitted.add(request.request_id)
+            request.draft_token_ids = []
             self._add_to_output(out, request, num_new)
             budget -= num_new
             if num_new < pending:
@@ -365,22 +414,26 @@ class Scheduler:
         return limit is not None and sum(r.tenant == tenant for r in self.running) >= limit
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        """Plan ``num_new`` tokens of ``request`` (its ``draft_token_ids`` last)."""
         out.requests.append(request)
         out.num_new_tokens.append(num_new)
         out.block_ids.append(self.kv_cache.block_ids(request.request_id))
+        out.draft_token_ids.append(request.draft_token_ids)
 
     @staticmethod
     def _unschedule(out: SchedulerOutput, request: Request) -> int:
         """Take a request back out of this step's plan; returns its tokens."""
         j = out.requests.index(request)
         tokens = out.num_new_tokens[j]
-        del out.requests[j], out.num_new_tokens[j], out.block_ids[j]
+        del out.requests[j], out.num_new_tokens[j], out.block_ids[j], out.draft_token_ids[j]
+        request.draft_token_ids = []
         return tokens
 
     def _preempt(self, out: SchedulerOutput, request: Request, reason: str, now: float) -> None:
         """Send a running request back to waiting: its KV copied to host memory
         (swap) or dropped, to be recomputed."""
         self.running.remove(request)
+        request.draft_token_ids = []
         pairs = None
         if self.preemption_mode == "swap" and request.num_computed_tokens:
             pairs = self.kv_cache.swap_out(request.request_id)
@@ -420,10 +473,17 @@ class Scheduler:
         generated = 0
         counts_tokens = self.policy.counts_tokens
         caching, block_size = self.kv_cache.enable_caching, self.kv_cache.block_size
-        for request, num_new, tokens in zip(out.requests, out.num_new_tokens, new_token_ids):
+        for request, num_new, tokens, drafts in zip(out.requests, out.num_new_tokens,
+                                                    new_token_ids, out.draft_token_ids):
             start = request.num_computed_tokens
             if counts_tokens:
                 self._account(request, start, num_new)
+            if drafts:
+                appended = self._apply_verified(request, start, drafts, tokens, now)
+                if appended:
+                    generated += appended
+                    updated.append(request)
+                continue
             request.num_computed_tokens = start + num_new
             if caching and (start + num_new) // block_size > start // block_size:
                 self.kv_cache.cache_blocks(request)  # a block was filled
@@ -436,6 +496,34 @@ class Scheduler:
                     updated.append(request)
         self.stats.num_generated_tokens += generated
         return updated
+
+    def _apply_verified(self, request: Request, start: int, drafts: list[int],
+                        tokens: Sequence[int], now: float) -> int:
+        """A verified decode: ``tokens`` are the accepted drafts and one more.
+        KV is valid up to the last token before the newest: the rejected
+        drafts' slots are rewritten next step, and only blocks of accepted
+        tokens reach the prefix cache. Returns the tokens appended."""
+        request.draft_token_ids = []
+        self.stats.num_draft_tokens += len(drafts)
+        self.stats.num_accepted_draft_tokens += max(0, len(tokens) - 1)
+        appended = 0
+        reason = None
+        for token in tokens:
+            request.append_output_token(token, now)
+            appended += 1
+            reason = request.check_stop(self.max_model_len)
+            if reason is not None:
+                break
+        request.num_computed_tokens = min(start + 1 + len(drafts), request.num_tokens - 1)
+        kv = self.kv_cache
+        kv.free_tail(request.request_id, request.num_computed_tokens)
+        if kv.enable_caching and request.num_computed_tokens // kv.block_size > \
+                start // kv.block_size:
+            kv.cache_blocks(request)
+        if reason is not None:
+            self._finish(request, reason, now)
+            self._retire(request)
+        return appended
 
     def _account(self, request: Request, start: int, num_new: int) -> None:
         """Tell the policy how many prompt and output tokens were computed."""

@@ -26,6 +26,7 @@ from inflight.core.scheduler import Clock, Scheduler
 from inflight.engine.client import EngineLoad, ModelInfo
 from inflight.engine.output import OutputKind, OutputProcessor, RequestOutput
 from inflight.model.tokenizer import Tokenizer
+from inflight.spec_decode.speculator import Speculator, SpecStats
 from inflight.worker.runner import Runner
 
 logger = logging.getLogger(__name__)
@@ -70,15 +71,19 @@ class StepStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     # (finish reason, end-to-end seconds, prompt tokens, generated tokens)
     finished: list[tuple[str, float, int, int]] = field(default_factory=list)
+    spec: SpecStats | None = None  # drafts verified (speculative decoding)
 
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, output_processor: OutputProcessor,
                  *, model: ModelInfo, tokenizer: Tokenizer | None,
-                 eos_token_ids: frozenset[int] = frozenset(), clock: Clock = time.time) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), clock: Clock = time.time,
+                 speculator: Speculator | None = None) -> None:
         """The parts must agree: the scheduler's KV manager holds the runner's
-        ``num_kv_blocks``, and both use ``model.max_model_len``."""
+        ``num_kv_blocks``, and both use ``model.max_model_len``. A
+        ``speculator`` drafts tokens for decoding requests before each step."""
         self.scheduler = scheduler
+        self.speculator = speculator
         self.runner = runner
         self.output_processor = output_processor
         self.model = model
@@ -237,7 +242,14 @@ class EngineCore:
         start = time.perf_counter()
         kv = self.kv_cache
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        propose_seconds = 0.0
+        if self.speculator is not None:
+            proposed = self.speculator.totals.propose_seconds
+            self.speculator.propose(self.scheduler.running)
+            propose_seconds = self.speculator.totals.propose_seconds - proposed
         out = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.forget(out.finished_request_ids)
         self.runner.move_blocks(out)
         if not out.requests:
             self.last_step = StepStats(num_waiting=self.scheduler.num_waiting,
@@ -250,6 +262,10 @@ class EngineCore:
         padding_ids = [r.request_id for r in out.requests if r.padding]
         last_token_times = {r.request_id: r.last_token_time for r in out.requests}
         result = self.runner.execute(out)
+        spec = None
+        if self.speculator is not None:
+            spec = self.speculator.record(out, result.new_token_ids)
+            spec.propose_seconds = propose_seconds
         generated = self.scheduler.stats.num_generated_tokens
         updated = self.scheduler.update_from_output(out, result.new_token_ids)
         logprobs = {out.requests[row].request_id: lp for row, lp in result.logprobs.items()}
@@ -268,7 +284,7 @@ class EngineCore:
             kv_cache_usage=kv.usage,
             generation_tokens=self.scheduler.stats.num_generated_tokens - generated,
             prefix_cache_queries=kv.prefix_cache_queries - queries,
-            prefix_cache_hits=kv.prefix_cache_hits - hits)
+            prefix_cache_hits=kv.prefix_cache_hits - hits, spec=spec)
         for seq in updated:
             previous = last_token_times[seq.request_id]
             if previous is None:
@@ -277,6 +293,11 @@ class EngineCore:
                                            seq.num_prompt_tokens))
             else:
                 stats.inter_token_latencies.append(seq.last_token_time - previous)
+        if self.speculator is not None:
+            self.speculator.learn([s for s in updated if s.is_finished
+                                   and s.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)])
+        if self.speculator is not None:
+            self.speculator.observe_step(stats.num_tokens, stats.seconds)
         ended = [*out.expired, *(s for s in updated if s.is_finished)]
         if failed:
             ended += [r for r in out.requests if r.request_id in failed]

@@ -18,6 +18,8 @@ from inflight.engine.output import OutputProcessor
 from inflight.model.loader import (eos_token_ids, model_display_name, read_model_config,
                                    resolve_model_dir)
 from inflight.model.tokenizer import Tokenizer
+from inflight.spec_decode.config import SpeculativeConfig
+from inflight.spec_decode.speculator import Speculator
 from inflight.worker.runner import Runner
 
 logger = logging.getLogger(__name__)
@@ -59,8 +61,12 @@ def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
         max_running_per_tenant=config.max_running_per_tenant)
     info = ModelInfo(name=model_display_name(config.model), max_model_len=runner.max_model_len,
                      vocab_size=model_config.vocab_size)
+    speculator = None
+    if config.speculative_config is not None:
+        speculator = Speculator(SpeculativeConfig.parse(config.speculative_config))
     core = EngineCore(scheduler, runner, OutputProcessor(tokenizer), model=info,
-                      tokenizer=tokenizer, eos_token_ids=eos, clock=clock)
+                      tokenizer=tokenizer, eos_token_ids=eos, clock=clock,
+                      speculator=speculator)
     core.load_seconds = time.perf_counter() - start
     logger.info("loaded %s in %.1f s", info.name, core.load_seconds)
     return core

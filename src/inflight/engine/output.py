@@ -289,11 +289,16 @@ class OutputProcessor:
             sample.seen_tokens = k + 1
             stop = sample.detokenizer.add_token(tokens[seq.num_prompt_tokens + k], k + 1)
             if stop is not None:
+                if k + 1 < num_output:  # a verified run went on past the stop string
+                    del tokens[seq.num_prompt_tokens + k + 1:]
+                    if seq.is_finished:
+                        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
                 if not seq.is_finished:
                     finish(seq, FinishReason.STOP, stop)
                 break
         if logprobs and sample.logprobs is not None:
-            for lp in logprobs:
+            # (A stop may have cut the step's tokens short of its logprobs.)
+            for lp in logprobs[:max(0, seq.num_output_tokens - len(sample.logprobs))]:
                 sample.logprobs.append(self._logprob_entry(lp))
                 sample.cumulative_logprob += lp.logprob
 

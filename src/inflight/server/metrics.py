@@ -52,6 +52,16 @@ class EngineMetrics:
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("inflight:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache (not recomputed).")
+        self.spec_drafts = counter("inflight:spec_decode_num_drafts",
+                                   "Verified runs of draft tokens (speculative decoding).")
+        self.spec_draft_tokens = counter("inflight:spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("inflight:spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.")
+        self.spec_accepted_per_position = Counter(
+            "inflight:spec_decode_num_accepted_tokens_per_pos",
+            "Runs whose draft token at this position was accepted.",
+            ["model_name", "position"], registry=self.registry)
         self.finished = Counter("inflight:request_success", "Finished requests, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.model_name = model_name
@@ -91,6 +101,15 @@ class EngineMetrics:
         if stats.prefix_cache_queries:
             self.prefix_queries.inc(stats.prefix_cache_queries)
             self.prefix_hits.inc(stats.prefix_cache_hits)
+        spec = stats.spec
+        if spec is not None and spec.num_drafts:
+            self.spec_drafts.inc(spec.num_drafts)
+            self.spec_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.accepted_per_position):
+                if count:
+                    self.spec_accepted_per_position.labels(self.model_name, str(position)).inc(
+                        count)
         for ttft, queued, prompt_tokens in stats.first_tokens:
             self.ttft.observe(ttft)
             self.queue_time.observe(queued)

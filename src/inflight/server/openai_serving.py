@@ -69,7 +69,7 @@ def sampling_params(req: p.CompletionRequest | p.ChatCompletionRequest, *, max_t
         n=req.n, best_of=best_of, max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=logprobs,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens)
+        skip_special_tokens=req.skip_special_tokens, speculative=req.speculative)
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
                  "min_p", "repetition_penalty"):
         value = getattr(req, name)

@@ -2,7 +2,7 @@
 
 Requests accept OpenAI's fields plus documented extensions (``priority``,
 ``deadline_ms``, ``expected_output_tokens``, ``cache_salt``, ``ignore_eos``,
-``min_tokens``, ``top_k``, ``min_p``, ``repetition_penalty``);
+``min_tokens``, ``top_k``, ``min_p``, ``repetition_penalty``, ``speculative``);
 unknown fields are refused, as OpenAI does, rather than silently ignored.
 """
 
@@ -57,6 +57,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    speculative: StrictBool = True  # False: no draft tokens for this request
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,13 +1,24 @@
-"""SchedulerOutput -> flat tensors -> model -> sampler -> one token per request
-that reached the end of its known tokens. ``worker.load`` builds it from an
-EngineConfig.
+"""SchedulerOutput -> flat tensors -> model -> sampler -> the tokens each
+request that reached the end of its known tokens accepts. ``worker.load``
+builds it from an EngineConfig.
 
 The step's tokens are laid out request after request: ``input_ids[T]``,
 ``positions[T]`` and ``slot_mapping[T]``, with ``query_start_loc[B+1]`` marking
 where each request's tokens start. Logits are computed only for the last token
 of requests that sample this step (a prompt chunk that does not finish its
-prompt samples nothing). On CUDA, decode-only steps replay CUDA graphs
-(``worker.cuda_graphs``) once ``capture_decode_graphs`` has run.
+prompt samples nothing), and for each draft position of a request verifying
+drafts. On CUDA, decode-only steps replay CUDA graphs (``worker.cuda_graphs``)
+once ``capture_decode_graphs`` has run.
+
+Verification samples the target's token at every position of a verified run
+(its last real token, then each draft), each with the context of the drafts
+before it, and accepts drafts while they equal those samples; the first that
+differs, or the one after the last draft, is the extra token. For greedy rows
+that is the argmax test; for sampled rows it is exact speculative sampling
+with a drafter that proposes one token (accepted with the target's
+probability of it; on rejection the target's sample given that it differs),
+and with seeded draws keyed by (seed, position) a request's tokens are the
+same with and without speculation.
 """
 
 from __future__ import annotations
@@ -55,8 +66,6 @@ class ModelRunner:
             cfg.num_hidden_layers, num_host_blocks, block_size, cfg.num_key_value_heads,
             cfg.head_dim, dtype, pin_memory=device.type == "cuda") if num_host_blocks else []
         self.sampler = Sampler(device, seed)
-        # Per-request generators of seeded requests; they survive preemption.
-        self._generators: dict[str, torch.Generator] = {}
         self._staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
 
@@ -85,13 +94,17 @@ class ModelRunner:
         starts = [r.num_computed_tokens for r in requests]
         token_ids: list[int] = []
         sample_rows: list[int] = []
-        for i, (request, n, start) in enumerate(zip(requests, num_new, starts)):
+        for i, (request, n, start, drafts) in enumerate(zip(requests, num_new, starts,
+                                                            out.draft_token_ids)):
             tokens = request.all_token_ids
             if n == 1:
                 token_ids.append(tokens[start])
+            elif drafts:
+                token_ids.append(tokens[start])
+                token_ids.extend(drafts)
             else:
                 token_ids.extend(tokens[start:start + n])
-            if start + n == len(tokens):
+            if start + n - len(drafts) == len(tokens):
                 sample_rows.append(i)
 
         num_new_np = np.array(num_new, dtype=np.int64)
@@ -116,25 +129,24 @@ class ModelRunner:
                              slot_mapping=slot_mapping, block_size=bs)
         return np.array(token_ids, dtype=np.int64), positions, layout, sample_rows
 
-    def _sampling_rows(self, out: SchedulerOutput, sample_rows: list[int]) -> list[SamplingRow]:
+    @staticmethod
+    def _sampling_rows(out: SchedulerOutput, sample_rows: list[int]) -> list[SamplingRow]:
+        """One row per sampled position: a request's next token, or each
+        position of its verified run, with the drafts before it as context."""
         rows = []
         for i in sample_rows:
             request = out.requests[i]
             params = request.sampling_params
-            row = SamplingRow(params)
-            if params.seed is not None and not params.greedy:
-                generator = self._generators.get(request.request_id)
-                if generator is None:
-                    generator = torch.Generator(device=self.device)
-                    generator.manual_seed(params.seed)
-                    self._generators[request.request_id] = generator
-                row.generator = generator
-            if row.has_penalties:
-                row.prompt_token_ids = request.prompt_token_ids
-                row.output_token_ids = request.output_token_ids
-            if request.num_output_tokens < params.min_tokens and request.stop_token_ids:
-                row.banned_token_ids = request.stop_token_ids
-            rows.append(row)
+            drafts = out.draft_token_ids[i]
+            outputs = request.output_token_ids
+            for j in range(len(drafts) + 1):
+                row = SamplingRow(params, position=request.num_tokens + j)
+                if row.has_penalties:
+                    row.prompt_token_ids = request.prompt_token_ids
+                    row.output_token_ids = outputs + drafts[:j] if j else outputs
+                if request.num_output_tokens + j < params.min_tokens and request.stop_token_ids:
+                    row.banned_token_ids = request.stop_token_ids
+                rows.append(row)
         return rows
 
     @torch.inference_mode()
@@ -152,8 +164,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        for request_id in out.finished_request_ids:
-            self._generators.pop(request_id, None)
         input_ids, positions, layout, sample_rows = self.prepare(out)
         bucket = self.graphs.bucket(layout) if self.graphs is not None and sample_rows else None
         if bucket is not None:
@@ -162,27 +172,48 @@ class ModelRunner:
             if len(sample_rows) < len(out.requests):
                 logits = logits[torch.tensor(sample_rows, device=self.device)]
         else:
-            logits = self._forward(input_ids, positions, layout, sample_rows)
+            logits = self._forward(input_ids, positions, layout,
+                                   self._logit_positions(out, layout, sample_rows))
         sampled: list[Sequence[int]] = [()] * len(out.requests)
         logprobs: dict[int, list[TokenLogprobs]] = {}
         errors: dict[int, str] = {}
         if sample_rows:
             result = self.sampler.sample(logits, self._sampling_rows(out, sample_rows))
-            for k, (row, token, lp) in enumerate(zip(sample_rows, result.token_ids,
-                                                     result.logprobs)):
-                if k in result.errors:
-                    errors[row] = result.errors[k]
+            k = 0
+            for row in sample_rows:
+                drafts = out.draft_token_ids[row]
+                span = range(k, k + len(drafts) + 1)
+                k += len(drafts) + 1
+                error = next((result.errors[j] for j in span if j in result.errors), None)
+                if error is not None:
+                    errors[row] = error
                     continue
-                sampled[row] = [token]
-                if lp is not None:
-                    logprobs[row] = [lp]
+                accepted = []
+                for position, j in enumerate(span):
+                    accepted.append(result.token_ids[j])
+                    if position < len(drafts) and result.token_ids[j] != drafts[position]:
+                        break
+                sampled[row] = accepted
+                if result.logprobs[span[0]] is not None:
+                    logprobs[row] = [result.logprobs[j] for j in span[:len(accepted)]]
         return RunnerOutput(sampled, logprobs, errors)
 
+    @staticmethod
+    def _logit_positions(out: SchedulerOutput, layout: BatchLayout,
+                         sample_rows: list[int]) -> np.ndarray:
+        """Flat indices of the tokens whose logits are needed: the last of each
+        sampling request, and for a verified run each of its tokens."""
+        ends = layout.query_start_loc[np.array(sample_rows, dtype=np.int64) + 1]
+        if not any(out.draft_token_ids[i] for i in sample_rows):
+            return ends - 1
+        return np.concatenate([np.arange(end - 1 - len(out.draft_token_ids[i]), end)
+                               for i, end in zip(sample_rows, ends.tolist())])
+
     def _forward(self, input_ids: np.ndarray, positions: np.ndarray, layout: BatchLayout,
-                 sample_rows: list[int]) -> torch.Tensor | None:
-        """One eager step; the logits of the rows that sample (None if none does)."""
-        logits_index = layout.query_start_loc[np.array(sample_rows, dtype=np.int64) + 1] - 1
+                 logits_index: np.ndarray) -> torch.Tensor | None:
+        """One eager step; the logits of the tokens at ``logits_index`` (None if
+        there are none)."""
         ids, pos, index = self._staging.to_device([input_ids, positions, logits_index])
         metadata = self.backend.build_metadata(layout, self.device)
         hidden = self.model(ids, pos, self.kv_caches, metadata)
-        return self.model.compute_logits(hidden[index]) if sample_rows else None
+        return self.model.compute_logits(hidden[index]) if logits_index.size else None

@@ -2,9 +2,11 @@
 presence / frequency penalties, per-request seeds and top-n log-probabilities.
 
 Random rows are drawn with the exponential race (``argmax(p / E)`` with
-``E ~ Exp(1)`` is a sample from ``p``). A seeded request draws its ``E`` row
-from its own generator, so its samples do not depend on what else is in the
-batch. Log-probabilities are those of the model's raw distribution.
+``E ~ Exp(1)`` is a sample from ``p``). A seeded request draws the ``E`` row of
+each position from a generator seeded by (seed, position), so its samples
+depend neither on what else is in the batch nor on how its tokens were
+computed (preemption, speculation). Log-probabilities are those of the
+model's raw distribution.
 
 A row whose logits are not all finite (a numerical fault) samples nothing:
 the sampler reports it, and the engine ends that request with an error while
@@ -26,7 +28,7 @@ class SamplingRow:
     """What the sampler needs to know about one row of logits."""
 
     params: SamplingParams
-    generator: torch.Generator | None = None
+    position: int = 0  # where the sampled token goes in the sequence (seeded draws)
     prompt_token_ids: list[int] | None = None  # set when penalties are on
     output_token_ids: list[int] | None = None
     # Token ids that may not be sampled yet (stop tokens before min_tokens).
@@ -105,9 +107,12 @@ class Sampler:
             _min_p(scaled, min_p)
         probs = torch.softmax(scaled, dim=-1)
         race = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.generator is not None and not greedy[i]:
-                race[i].exponential_(generator=row.generator)
+        seeded = [(i, r) for i, r in enumerate(rows) if r.params.seed is not None and not greedy[i]]
+        if seeded:
+            generator = torch.Generator(device=device)
+            for i, row in seeded:
+                generator.manual_seed(position_seed(row.params.seed, row.position))
+                race[i].exponential_(generator=generator)
         sampled = (probs / race).argmax(dim=-1)
         if any(greedy):
             mask = torch.tensor(greedy, device=device)
@@ -155,6 +160,16 @@ class Sampler:
                 out.append(TokenLogprobs(token_list[i], chosen_list[i], ranks[i],
                                          top_ids[i][:n], top_values[i][:n]))
         return out
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for one position of a seeded request (SplitMix64
+    of the pair: neighbouring seeds and positions give unrelated draws)."""
+    mask = 2**64 - 1
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
 
 
 def _top_k(logits: torch.Tensor, rows: list[tuple[int, int]]) -> None:

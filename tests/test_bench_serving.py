@@ -1,0 +1,58 @@
+"""The serving benchmark's workloads and what it reads from the server."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from server_helpers import start_server
+
+from inflight.bench import serving
+from inflight.config import EngineConfig
+
+
+def test_multi_tenant_requests_open_with_their_tenants_system_prompt():
+    specs = serving.build_requests(serving.SCENARIOS["multi-tenant"], 120.0, seed=3)
+    by_tenant: dict[str, list[str]] = {}
+    for spec in specs:
+        by_tenant.setdefault(spec.cls, []).append(spec.prompt)
+        assert spec.max_tokens == 32 and spec.user == spec.cls
+    assert len(by_tenant) == 8
+    systems = set()
+    for prompts in by_tenant.values():
+        words = [p.split() for p in prompts]
+        system = words[0][:1024]
+        assert all(w[:1024] == system and 16 <= len(w) - 1024 <= 48 for w in words)
+        systems.add(" ".join(system))
+    assert len(systems) == 8  # each tenant its own
+    # The same seed gives the same prompts; a tenant's system prompt does not
+    # depend on the other classes.
+    again = serving.build_requests(serving.SCENARIOS["multi-tenant"][3:4], 120.0, seed=3)
+    assert again[0].prompt.split()[:1024] == by_tenant["tenant-3"][0].split()[:1024]
+    assert [s.arrival for s in specs] == sorted(s.arrival for s in specs)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_prefix_hit_rate_comes_from_the_servers_counters(tiny_model, caching):
+    server = start_server(EngineConfig(model=str(tiny_model("llama-gqa")), dtype="float32",
+                                       kv_cache_memory="16MiB",
+                                       enable_prefix_caching=caching))
+    try:
+        classes = [replace(c, rate=0.0, count=3, system_prompt_tokens=40, prompt_tokens=(4, 8),
+                           output_tokens=(4, 4))
+                   for c in serving.SCENARIOS["multi-tenant"][:2]]
+        specs = serving.build_requests(classes, 1.0, seed=0)
+        before = server.metric("inflight:prefix_cache_hits_total")
+        data = serving.run(server.url, None, specs, concurrency=1, slo_ttft=None, slo_tpot=None)
+        hits = server.metric("inflight:prefix_cache_hits_total") - before
+        queries = server.metric("inflight:prefix_cache_queries_total")
+        assert data["overall"]["failed"] == 0, data["overall"]["errors"]
+        assert data["overall"]["requests"] == 6
+        if caching:
+            # Each tenant's later requests find its system prompt (one after another).
+            assert hits > 0 and data["prefix_cache_hit_rate"] == pytest.approx(hits / queries)
+            assert data["prefix_cache_hit_rate"] > 0.4
+        else:
+            assert data["prefix_cache_hit_rate"] in (None, 0.0)
+    finally:
+        server.stop()
