@@ -153,3 +153,17 @@ def test_shared_prefix_and_multi_turn_workloads_hit_the_cache(tiny_model):
     assert rates[False] == (None, None)
     shared_rate, turns_rate = rates[True]
     assert 0.5 < shared_rate < 1 and 0.3 < turns_rate < 1
+
+
+def test_chat_workloads_for_speculative_decoding():
+    from inflight.bench.workloads import chat_workload
+
+    grounded = chat_workload("grounded", 6, 0, 128)
+    assert all(c[0]["content"].startswith("Repeat the following text") for c in grounded)
+    agent = [c[0]["content"] for c in chat_workload("agent", 24, 0, 128)]
+    assert len(set(agent)) == 8 and agent[:8] == agent[8:16] == agent[16:]
+    chat = chat_workload("chat", 10, 0, 128)
+    assert len({c[0]["content"] for c in chat}) > 3
+    assert chat_workload("chat", 10, 0, 128) == chat
+    with pytest.raises(ValueError, match="no chat workload"):
+        chat_workload("poetry", 1, 0, 128)

@@ -242,31 +242,44 @@ def test_suffix_proposer_follows_the_likeliest_continuation():
     proposer.forget("c")
 
 
-def test_the_step_time_fit_recovers_a_line():
+def test_the_step_time_fit_separates_tokens_rows_and_runs():
     model = StepTimeModel()
     assert model.fit() is None
-    for tokens in [1, 5, 1, 9, 3, 17, 1, 5, 2, 4]:
-        model.observe(tokens, 0.030 + 0.002 * tokens)
-    a, b = model.fit()
-    assert a == pytest.approx(0.030) and b == pytest.approx(0.002)
+    # (tokens, sampled rows, verified runs): prompt chunks, decodes, and
+    # decodes with verified runs.
+    steps = [(1, 1, 0), (5, 5, 1), (64, 1, 1), (9, 9, 2), (128, 0, 2), (1, 1, 0), (17, 17, 3),
+             (40, 8, 1), (5, 5, 1), (2, 2, 1), (300, 4, 3), (3, 3, 0)]
+    for tokens, rows, runs in steps:
+        model.observe(tokens, rows, runs, 0.030 + 0.001 * tokens + 0.002 * rows + 0.010 * runs)
+    assert model.fit() == pytest.approx((0.030, 0.001, 0.002, 0.010), rel=1e-2)
+    # Decodes with and without runs only (every token a row): the sum of the
+    # two slopes is what is known.
+    decodes = StepTimeModel()
+    for k, runs in [(0, 0), (8, 2), (2, 1), (12, 3), (1, 1), (0, 0), (3, 1), (8, 2), (4, 1),
+                    (2, 1)]:
+        decodes.observe(4 + k, 4 + k, runs, 0.030 + 0.003 * (4 + k) + 0.010 * runs)
+    a, b, c, d = decodes.fit()
+    assert (a, b + c, d) == pytest.approx((0.030, 0.003, 0.010), rel=1e-2)
     flat = StepTimeModel()
     for _ in range(20):
-        flat.observe(4, 0.03)
-    assert flat.fit() is None  # one token count pins no slope down
+        flat.observe(4, 4, 1, 0.03)
+    assert flat.fit() is None  # one kind of step pins nothing down
 
 
 def test_drafts_pay_when_steps_are_memory_bound_and_not_when_compute_bound():
-    memory_bound = (0.030, 0.0005)   # a decode step's cost is reading the weights
-    compute_bound = (0.001, 0.004)   # every token costs about the same
+    memory_bound = (0.030, 0.0003, 0.0002, 0.001)  # a decode step's cost is reading the weights
+    compute_bound = (0.001, 0.003, 0.001, 0.0)      # every token costs about the same
     one = [("a", 4, 0.5)]
-    assert choose(one, base_tokens=1, base_outputs=1, fit=memory_bound) == {"a"}
+    assert choose(one, 1, 1, 1, fit=memory_bound) == {"a"}
     many = [(f"r{i}", 4, 0.3) for i in range(16)]
-    assert choose(many, base_tokens=16, base_outputs=16, fit=compute_bound) == set()
+    assert choose(many, 16, 16, 16, fit=compute_bound) == set()
     # Drafts that are always accepted still pay where a step's fixed cost dominates.
     sure = [(f"r{i}", 4, 1.0) for i in range(16)]
-    assert len(choose(sure, 16, 16, fit=memory_bound)) == 16
-    assert choose(many, 16, 16, fit=memory_bound) == set()  # 30 % is not enough at 16
-    assert choose(one, 1, 1, fit=None) == {"a"}  # no fit yet: draft
+    assert len(choose(sure, 16, 16, 16, fit=memory_bound)) == 16
+    assert choose(many, 16, 16, 16, fit=memory_bound) == set()  # 30 % is not enough
+    # A run that leaves a fast single-token path costs that much more.
+    assert choose(one, 1, 1, 1, fit=(0.030, 0.0003, 0.0002, 0.030)) == set()
+    assert choose(one, 1, 1, 1, fit=None) == {"a"}  # no fit yet: draft
     assert expected_accepted(0.5, 4) == pytest.approx(0.9375)
     assert expected_accepted(1.0, 4) == 4
 
@@ -274,7 +287,8 @@ def test_drafts_pay_when_steps_are_memory_bound_and_not_when_compute_bound():
 def test_the_speculator_leaves_out_requests_whose_drafts_do_not_pay_and_probes_them():
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), Oracle(wrong_at=0))
     for tokens in range(1, 30):  # compute-bound steps
-        spec.observe_step(tokens % 10 + 1, 0.001 + 0.004 * (tokens % 10 + 1))
+        size = tokens % 10 + 1
+        spec.observe_step(size, size, int(size > 1), 0.001 + 0.004 * size)
     requests = [make_request(f"r{i}", [1, 2, 3], 100) for i in range(16)]
     for request in requests:  # decoding: one output token, all but it computed
         request.append_output_token(7, 0.0)

@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run Hugging Face transformers: generate with static batches "
                          "(hf) or its continuous batching, generate_batch (hf-continuous)")
     tp.add_argument("--speculative", dest="speculative_list", default="",
-                    help="comma list of ngram, off: speculative decoding per run "
+                    help="comma list of ngram, suffix, off: speculative decoding per run "
                          "(default: off)")
     tp.add_argument("--num-speculative-tokens", type=int, default=4,
                     help="drafts per request and step when speculating")

@@ -8,6 +8,7 @@ import gc
 import itertools
 import json
 import platform
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ import torch
 
 from inflight.bench.throughput import (ThroughputResult, matmul_flops, run_engine,
                                        run_hf_continuous, run_hf_generate)
-from inflight.bench.workloads import SYNTHETIC, BenchRequest, from_file, parse_length, synthetic
+from inflight.bench.workloads import (CHAT_WORKLOADS, SYNTHETIC, BenchRequest, chat_workload,
+                                     from_file, parse_length, synthetic)
 from inflight.config import EngineConfig
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.factory import build_engine_core
@@ -28,7 +30,7 @@ SWEEP_SEQS = (4, 8, 16, 32, 64, 128)
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--workload", default="mixed",
-                       help=f"one of {', '.join(SYNTHETIC)}, or a JSON file "
+                       help=f"one of {', '.join(SYNTHETIC + CHAT_WORKLOADS)}, or a JSON file "
                             '{"requests": [{"prompt_token_ids" or "prompt", "max_tokens"}]}')
     group.add_argument("--num-requests", type=int, default=64)
     group.add_argument("--seed", dest="workload_seed", type=int, default=0)
@@ -45,6 +47,15 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_workload(args: argparse.Namespace, engine: EngineCore) -> list[BenchRequest]:
+    if args.workload in CHAT_WORKLOADS:
+        if engine.tokenizer is None:
+            raise ValueError(f"the {args.workload} workload needs the model's tokenizer")
+        rng = random.Random(args.workload_seed)
+        return [BenchRequest(None, rng.randint(*args.output_len) if isinstance(
+                    args.output_len, tuple) else args.output_len,
+                             prompt=engine.tokenizer.apply_chat_template(conversation))
+                for conversation in chat_workload(args.workload, args.num_requests,
+                                                  args.workload_seed, args.output_len)]
     if args.workload in SYNTHETIC:
         return synthetic(args.workload, args.num_requests, args.workload_seed,
                          engine.model.vocab_size, engine.max_model_len,
@@ -67,8 +78,8 @@ def _on_off(text: str) -> bool:
 def _speculative(name: str, k: int) -> dict[str, Any] | None:
     if name == "off":
         return None
-    if name != "ngram":
-        raise ValueError(f"--speculative takes ngram or off, got {name!r}")
+    if name not in ("ngram", "suffix"):
+        raise ValueError(f"--speculative takes ngram, suffix or off, got {name!r}")
     return {"method": name, "num_speculative_tokens": k}
 
 
@@ -135,7 +146,7 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
     print(f"{'run':<{width}}{'seqs':>5}{'req/s':>8}{'out tok/s':>11}{'total tok/s':>13}"
           f"{'occupancy':>11}{'idle slot-steps':>17}{'(padded)':>10}{'steps':>7}{'wall s':>8}"
           f"{'preempt':>9}{'computed tok':>14}{'TTFT s':>8}{'prefix hit':>12}"
-          f"{'accepted':>10}{'run len':>9}")
+          f"{'accepted':>10}{'run len':>9}{'TPOT ms':>9}{'propose ms':>12}")
     for r in results:
         hit = "-" if r.prefix_cache_hit_rate is None else f"{100 * r.prefix_cache_hit_rate:.1f}%"
         print(f"{r.label:<{width}}{r.max_num_seqs:>5}{r.requests_per_second:>8.2f}"
@@ -145,7 +156,9 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
               f"{r.mean_ttft_seconds:>8.2f}"
               f"{hit:>12}"
               f"{'-' if r.spec_acceptance_rate is None else f'{100 * r.spec_acceptance_rate:.1f}%':>10}"
-              f"{'-' if r.spec_mean_accepted_length is None else f'{r.spec_mean_accepted_length:.2f}':>9}")
+              f"{'-' if r.spec_mean_accepted_length is None else f'{r.spec_mean_accepted_length:.2f}':>9}"
+              f"{'-' if r.mean_tpot_seconds is None else f'{1000 * r.mean_tpot_seconds:.1f}':>9}"
+              f"{'-' if r.spec_propose_ms_per_step is None else f'{r.spec_propose_ms_per_step:.3f}':>12}")
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
         "workload": {"name": args.workload, "num_requests": len(requests),
@@ -204,8 +217,8 @@ def _ratios(results: list[ThroughputResult]) -> dict[str, float]:
                 r.total_tokens_per_second / by[f"{base}/recompute", n].total_tokens_per_second)
     for (label, n), r in by.items():
         base, _, spec = label.rpartition("/")
-        if spec == "spec-ngram" and (f"{base}/spec-off", n) in by:
-            ratios[f"ngram/off output tokens/s at max_num_seqs={n}"] = (
+        if spec in ("spec-ngram", "spec-suffix") and (f"{base}/spec-off", n) in by:
+            ratios[f"{spec[5:]}/off output tokens/s at max_num_seqs={n}"] = (
                 r.output_tokens_per_second / by[f"{base}/spec-off", n].output_tokens_per_second)
     for (label, n), r in by.items():
         base, _, cache = label.rpartition("/")

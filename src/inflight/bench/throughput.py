@@ -42,6 +42,9 @@ class ThroughputResult:
     # Speculative decoding: accepted / drafted tokens, and tokens per verified run.
     spec_acceptance_rate: float | None = None
     spec_mean_accepted_length: float | None = None
+    spec_propose_ms_per_step: float | None = None
+    # Mean over requests of (last token - first token) / (output tokens - 1).
+    mean_tpot_seconds: float | None = None
     # Requests in the batch at each step (for the occupancy timeline).
     occupancy: list[int] = field(default_factory=list, repr=False)
     # Ids of the live and padding requests in the batch at each step (slot picture).
@@ -101,6 +104,7 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
 
     pending = {submit(i, []) for i, r in enumerate(requests) if r.follows is None}
     ttfts: list[float] = []
+    tpots: list[float] = []
     prompt_tokens = output_tokens = steps = idle = padded = computed = 0
     occupancy: list[int] = []
     batches: list[list[str]] = []
@@ -116,6 +120,10 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
                 output_tokens += sum(len(c.token_ids) for c in out.outputs)
                 if out.metrics.first_token_time is not None:
                     ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+                    generated = len(out.outputs[0].token_ids)
+                    if generated > 1 and out.metrics.finished_time is not None:
+                        tpots.append((out.metrics.finished_time - out.metrics.first_token_time)
+                                     / (generated - 1))
                 history = out.prompt_token_ids + out.outputs[0].token_ids
                 for i in followers.get(index_of[out.request_id], ()):
                     pending.add(submit(i, history))
@@ -144,6 +152,9 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
         profile_ms_per_step=profiler.report() if profiler else None,
         spec_acceptance_rate=spec.acceptance_rate,
         spec_mean_accepted_length=spec.mean_accepted_length,
+        spec_propose_ms_per_step=(1000 * spec.propose_seconds / steps
+                                  if engine.speculator is not None and steps else None),
+        mean_tpot_seconds=sum(tpots) / len(tpots) if tpots else None,
         occupancy=occupancy, batches=batches, padding=padding)
 
 

@@ -114,6 +114,54 @@ def synthetic(name: str, num_requests: int, seed: int, vocab_size: int, max_mode
     return _fitting(requests, name, max_model_len)
 
 
+# Chat workloads for speculative decoding (rendered with the model's template).
+CHAT_WORKLOADS = ("grounded", "agent", "chat")
+_SUBJECTS = ("the river", "the old bridge", "the market", "the village school", "a fisherman",
+             "the baker", "the night train", "a small garden", "the lighthouse", "the museum")
+_VERBS = ("watched", "crossed", "repaired", "painted", "visited", "cleaned", "followed",
+          "described", "opened", "closed")
+_OBJECTS = ("the wooden boats", "a basket of bread", "the stone wall", "the red door",
+            "an empty street", "the morning fog", "a long letter", "the yellow lamps",
+            "the silver keys", "a quiet field")
+_TIMES = ("after the storm", "before sunrise", "in the afternoon", "every winter",
+          "on market day", "late at night")
+_CITIES = ("Paris", "Lisbon", "Oslo", "Cairo", "Lima", "Seoul", "Denver", "Perth")
+_TOOLS = ("get_weather", "get_time", "search_flights", "convert_currency")
+_TOPICS = ("the ocean", "friendship", "a rainy day", "mountains", "a lost cat", "the moon",
+           "coffee", "autumn leaves", "a busy city", "learning to swim", "old maps", "music")
+
+
+def chat_workload(name: str, num_requests: int, seed: int, output_len: Length
+                  ) -> list[list[dict[str, str]]]:
+    """Conversations for the speculative-decoding comparisons: ``grounded``
+    asks to repeat a paragraph of 4-6 sentences word for word (the answer
+    copies the prompt); ``agent`` sends 8 distinct tool-call requests over and
+    over (repeated agent steps: the same answers again); ``chat`` asks
+    open-ended questions (the control: little to copy)."""
+    rng = random.Random(seed)
+    conversations = []
+    for i in range(num_requests):
+        if name == "grounded":
+            sentences = [f"{rng.choice(_SUBJECTS).capitalize()} {rng.choice(_VERBS)} "
+                         f"{rng.choice(_OBJECTS)} {rng.choice(_TIMES)}."
+                         for _ in range(rng.randint(4, 6))]
+            text = ("Repeat the following text exactly, word for word:\n\n"
+                    + " ".join(sentences))
+        elif name == "agent":
+            cities = random.Random(seed).sample(_CITIES, 8)
+            text = (f"You are an agent with the tools {', '.join(_TOOLS)}. Answer with one "
+                    f"JSON object {{\"tool\": ..., \"arguments\": {{...}}}} and nothing else. "
+                    f"Task: use {_TOOLS[i % 4]} for {cities[i % 8]}.")
+        elif name == "chat":
+            text = rng.choice(["Write a short poem about {}.", "Tell me a story about {}.",
+                               "Explain {} to a child.", "What do you like about {}?"]
+                              ).format(rng.choice(_TOPICS))
+        else:
+            raise ValueError(f"no chat workload {name!r}")
+        conversations.append([{"role": "user", "content": text}])
+    return conversations
+
+
 def _fitting(requests: list[BenchRequest], name: str, max_model_len: int) -> list[BenchRequest]:
     for r in requests:
         need = len(r.prompt_token_ids) + r.max_tokens

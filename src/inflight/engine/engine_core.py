@@ -297,7 +297,10 @@ class EngineCore:
             self.speculator.learn([s for s in updated if s.is_finished
                                    and s.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)])
         if self.speculator is not None:
-            self.speculator.observe_step(stats.num_tokens, stats.seconds)
+            rows = (sum(1 for tokens in result.new_token_ids if tokens)
+                    + sum(map(len, out.draft_token_ids)))
+            runs = sum(1 for drafts in out.draft_token_ids if drafts)
+            self.speculator.observe_step(stats.num_tokens, rows, runs, stats.seconds)
         ended = [*out.expired, *(s for s in updated if s.is_finished)]
         if failed:
             ended += [r for r in out.requests if r.request_id in failed]

@@ -4,8 +4,8 @@ one request reads all the weights whatever its token count, so a few more
 tokens are nearly free; in a large batch the step is compute-bound and every
 drafted token costs about as much as a decoded one.
 
-``StepTimeModel`` fits ``seconds = a + b * tokens`` to the engine's measured
-steps (exponentially weighted least squares). ``choose`` keeps the drafts of
+``StepTimeModel`` fits a step's seconds to the tokens it computes, the rows it
+samples and the verified runs it holds, over the engine's measured steps. ``choose`` keeps the drafts of
 the requests, most promising first, while they raise the expected tokens per
 second of the step, with each request's expected accepted drafts from its own
 running acceptance rate. A request whose drafts were left out is given a
@@ -14,7 +14,7 @@ probe run now and then, so that its rate can recover.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DECAY = 0.98          # weight of past steps in the time fit, per step
 MIN_OBSERVATIONS = 8  # steps before the fit is trusted (until then: draft)
@@ -25,33 +25,63 @@ PROBE_EVERY = 16      # steps a request goes undrafted before a probe run
 
 @dataclass
 class StepTimeModel:
-    n: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
+    """``seconds = a + b * tokens + c * rows + d * runs`` over the engine's
+    steps. ``rows`` are the positions that need logits and sampling (a
+    decode's one, every position of a verified run): a draft token costs a
+    forward pass through the layers and a row of the vocabulary projection and
+    sampler, which prompt tokens do not. ``runs`` counts the verified runs:
+    backends have faster paths for single-token decodes (on the CPU, decode
+    attention in C reading the cache in place), and a verified run leaves
+    them for the path of prompt chunks. Exponentially weighted least squares, with a small
+    ridge on b and c so that steps where every token is a row still give
+    their sum."""
+
+    xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
+    xty: list[float] = field(default_factory=lambda: [0.0] * 4)
     observations: int = 0
+    runs_seen: set[bool] = field(default_factory=set)
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        for name in ("n", "sx", "sy", "sxx", "sxy"):
-            setattr(self, name, getattr(self, name) * DECAY)
-        self.n += 1
-        self.sx += tokens
-        self.sy += seconds
-        self.sxx += tokens * tokens
-        self.sxy += tokens * seconds
+    def observe(self, tokens: int, rows: int, runs: int, seconds: float) -> None:
+        x = (1.0, float(tokens), float(rows), float(runs))
+        for i in range(4):
+            self.xty[i] = DECAY * self.xty[i] + x[i] * seconds
+            for j in range(4):
+                self.xtx[i][j] = DECAY * self.xtx[i][j] + x[i] * x[j]
         self.observations += 1
+        self.runs_seen.add(runs > 0)
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None while the steps seen do not pin a line down."""
-        if self.observations < MIN_OBSERVATIONS:
+    def fit(self) -> tuple[float, float, float, float] | None:
+        """(a, b, c, d), or None while the steps seen do not pin the cost down."""
+        if self.observations < MIN_OBSERVATIONS or len(self.runs_seen) < 2:
+            return None  # steps with and without runs are needed to tell d from a
+        n, sx = self.xtx[0][0], self.xtx[0][1]
+        if n * self.xtx[1][1] - sx * sx <= 1e-9 * max(1.0, n * self.xtx[1][1]):
+            return None  # one token count only: no slope
+        ridge = 1e-6 * (self.xtx[1][1] + self.xtx[2][2])
+        m = [row[:] for row in self.xtx]
+        m[1][1] += ridge
+        m[2][2] += ridge
+        solution = _solve(m, self.xty)
+        if solution is None:
             return None
-        spread = self.n * self.sxx - self.sx * self.sx
-        if spread <= 1e-9 * max(1.0, self.n * self.sxx):
+        a, b, c, d = solution
+        return max(a, 1e-6), max(b, 0.0), max(c, 0.0), max(d, 0.0)
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting."""
+    m = [row[:] + [x] for row, x in zip(m, v)]
+    size = len(m)
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-15:
             return None
-        b = (self.n * self.sxy - self.sx * self.sy) / spread
-        a = (self.sy - b * self.sx) / self.n
-        return max(a, 1e-6), max(b, 0.0)
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(size):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    return [m[r][size] / m[r][r] for r in range(size)]
 
 
 def expected_accepted(acceptance: float, k: int) -> float:
@@ -62,23 +92,23 @@ def expected_accepted(acceptance: float, k: int) -> float:
     return acceptance * (1 - acceptance ** k) / (1 - acceptance)
 
 
-def choose(candidates: list[tuple[str, int, float]], base_tokens: int, base_outputs: int,
-           fit: tuple[float, float] | None) -> set[str]:
+def choose(candidates: list[tuple[str, int, float]], base_tokens: int, base_rows: int,
+           base_outputs: int, fit: tuple[float, float, float, float] | None) -> set[str]:
     """Of ``(request id, drafts, acceptance rate)``, those whose drafts raise
-    the step's expected output tokens per second. ``base_tokens``: the tokens
-    the step computes without drafts; ``base_outputs``: the tokens it yields."""
+    the step's expected output tokens per second. ``base_*``: what the step
+    computes without drafts (tokens, sampled rows) and the tokens it yields."""
     if fit is None:
         return {rid for rid, _, _ in candidates}
-    a, b = fit
-    ranked = sorted(candidates, key=lambda c: -expected_accepted(c[2], c[1]) / c[1])
-    chosen: set[str] = set()
-    tokens, outputs = base_tokens, float(base_outputs)
-    best = outputs / (a + b * tokens)
-    for rid, k, acceptance in ranked:
-        gain = expected_accepted(acceptance, k)
-        rate = (outputs + gain) / (a + b * (tokens + k))
-        if rate <= best:
-            break
-        chosen.add(rid)
-        tokens, outputs, best = tokens + k, outputs + gain, rate
-    return chosen
+    a, b, c, d = fit
+    ranked = sorted(candidates, key=lambda cand: -expected_accepted(cand[2], cand[1]) / cand[1])
+    seconds = a + b * base_tokens + c * base_rows
+    outputs = float(base_outputs)
+    best = outputs / seconds
+    best_count, count = 0, 0
+    for _, k, acceptance in ranked:
+        seconds += (b + c) * k + d
+        outputs += expected_accepted(acceptance, k)
+        count += 1
+        if outputs / seconds > best:
+            best, best_count = outputs / seconds, count
+    return {rid for rid, _, _ in ranked[:best_count]}

@@ -98,7 +98,7 @@ class Speculator:
             pending = request.num_tokens - request.num_computed_tokens
             base_tokens += pending
             decoding = pending == 1 and request.num_output_tokens > 0 and not request.padding
-            base_outputs += decoding
+            base_outputs += decoding  # (and the rows it samples)
             if not decoding or not request.sampling_params.speculative:
                 continue
             drafts = self.proposer.propose(request.request_id, request.all_token_ids, k)
@@ -109,7 +109,8 @@ class Speculator:
                                    self._acceptance.get(rid, PRIOR_ACCEPTANCE)))
         chosen = set(proposals)
         if self.config.adaptive and candidates:
-            chosen = choose(candidates, base_tokens, base_outputs, self.step_times.fit())
+            chosen = choose(candidates, base_tokens, base_outputs, base_outputs,
+                            self.step_times.fit())
             for rid in proposals:
                 left_out = self._undrafted.get(rid, 0) + 1 if rid not in chosen else 0
                 if left_out > PROBE_EVERY:  # a probe run: its rate may have changed
@@ -122,9 +123,11 @@ class Speculator:
                 request.draft_token_ids = drafts
         self.totals.propose_seconds += time.perf_counter() - start
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step's size and duration, for the cost model."""
-        self.step_times.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, num_rows: int, num_runs: int,
+                     seconds: float) -> None:
+        """A step's tokens, sampled rows, verified runs and duration, for the
+        cost model."""
+        self.step_times.observe(num_tokens, num_rows, num_runs, seconds)
 
     def record(self, out: SchedulerOutput, new_token_ids: Sequence[Sequence[int]]) -> SpecStats:
         """What the step verified (call before the scheduler applies it)."""
