@@ -242,11 +242,8 @@ class EngineCore:
         start = time.perf_counter()
         kv = self.kv_cache
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
-        propose_seconds = 0.0
-        if self.speculator is not None:
-            proposed = self.speculator.totals.propose_seconds
-            self.speculator.propose(self.scheduler.running)
-            propose_seconds = self.speculator.totals.propose_seconds - proposed
+        propose_seconds = (self.speculator.propose(self.scheduler.running)
+                           if self.speculator is not None else 0.0)
         out = self.scheduler.schedule()
         if self.speculator is not None:
             self.speculator.forget(out.finished_request_ids)
@@ -262,10 +259,6 @@ class EngineCore:
         padding_ids = [r.request_id for r in out.requests if r.padding]
         last_token_times = {r.request_id: r.last_token_time for r in out.requests}
         result = self.runner.execute(out)
-        spec = None
-        if self.speculator is not None:
-            spec = self.speculator.record(out, result.new_token_ids)
-            spec.propose_seconds = propose_seconds
         generated = self.scheduler.stats.num_generated_tokens
         updated = self.scheduler.update_from_output(out, result.new_token_ids)
         logprobs = {out.requests[row].request_id: lp for row, lp in result.logprobs.items()}
@@ -284,7 +277,7 @@ class EngineCore:
             kv_cache_usage=kv.usage,
             generation_tokens=self.scheduler.stats.num_generated_tokens - generated,
             prefix_cache_queries=kv.prefix_cache_queries - queries,
-            prefix_cache_hits=kv.prefix_cache_hits - hits, spec=spec)
+            prefix_cache_hits=kv.prefix_cache_hits - hits)
         for seq in updated:
             previous = last_token_times[seq.request_id]
             if previous is None:
@@ -294,13 +287,8 @@ class EngineCore:
             else:
                 stats.inter_token_latencies.append(seq.last_token_time - previous)
         if self.speculator is not None:
-            self.speculator.learn([s for s in updated if s.is_finished
-                                   and s.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)])
-        if self.speculator is not None:
-            rows = (sum(1 for tokens in result.new_token_ids if tokens)
-                    + sum(map(len, out.draft_token_ids)))
-            runs = sum(1 for drafts in out.draft_token_ids if drafts)
-            self.speculator.observe_step(stats.num_tokens, rows, runs, stats.seconds)
+            stats.spec = self.speculator.end_step(out, result.new_token_ids, updated,
+                                                  stats.seconds, propose_seconds)
         ended = [*out.expired, *(s for s in updated if s.is_finished)]
         if failed:
             ended += [r for r in out.requests if r.request_id in failed]

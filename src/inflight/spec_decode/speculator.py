@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from inflight.core.request import Request
+from inflight.core.request import FinishReason, Request
 from inflight.core.scheduler import SchedulerOutput
 from inflight.spec_decode.config import SpeculativeConfig
 from inflight.spec_decode.cost_model import (ACCEPTANCE_EMA, PRIOR_ACCEPTANCE, PROBE_EVERY,
@@ -84,10 +84,10 @@ class Speculator:
         self._acceptance: dict[str, float] = {}  # request id -> running acceptance rate
         self._undrafted: dict[str, int] = {}     # request id -> steps left out by the cost model
 
-    def propose(self, running: Sequence[Request]) -> None:
+    def propose(self, running: Sequence[Request]) -> float:
         """Set ``draft_token_ids`` of every running request: the proposer's
         drafts where it is decoding, has not opted out and (``adaptive``) the
-        cost model expects them to pay; else none."""
+        cost model expects them to pay; else none. Returns the seconds it took."""
         start = time.perf_counter()
         k = self.config.num_speculative_tokens
         proposals: dict[str, list[int]] = {}
@@ -121,7 +121,23 @@ class Speculator:
             drafts = proposals.get(request.request_id)
             if drafts is not None and request.request_id in chosen:
                 request.draft_token_ids = drafts
-        self.totals.propose_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.totals.propose_seconds += seconds
+        return seconds
+
+    def end_step(self, out: SchedulerOutput, new_token_ids: Sequence[Sequence[int]],
+                 updated: Sequence[Request], seconds: float, propose_seconds: float
+                 ) -> SpecStats:
+        """After a step of ``seconds``: count what it verified, learn from the
+        requests that finished, and give the cost model the step's shape."""
+        stats = self.record(out, new_token_ids)
+        stats.propose_seconds = propose_seconds
+        self.learn([r for r in updated if r.is_finished
+                    and r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)])
+        rows = (sum(1 for tokens in new_token_ids if tokens)
+                + sum(map(len, out.draft_token_ids)))
+        self.observe_step(out.total_num_tokens, rows, stats.num_drafts, seconds)
+        return stats
 
     def observe_step(self, num_tokens: int, num_rows: int, num_runs: int,
                      seconds: float) -> None:
@@ -130,7 +146,7 @@ class Speculator:
         self.step_times.observe(num_tokens, num_rows, num_runs, seconds)
 
     def record(self, out: SchedulerOutput, new_token_ids: Sequence[Sequence[int]]) -> SpecStats:
-        """What the step verified (call before the scheduler applies it)."""
+        """What the step verified."""
         stats = SpecStats()
         for request, drafts, tokens in zip(out.requests, out.draft_token_ids, new_token_ids):
             if not drafts:
