@@ -55,32 +55,24 @@ def wanted_replicas(config: AutoscalingConfig, waiting: list[float],
 
 @dataclass
 class ScalingState:
-    """Since when the wanted number has been above (or below) the current one."""
+    """Which way the wanted number has differed from the current one (+1 more,
+    -1 fewer, 0 neither), and since when."""
 
-    wanted_more_since: float | None = None
-    wanted_fewer_since: float | None = None
+    direction: int = 0
+    since: float = 0.0
 
 
 def decide(config: AutoscalingConfig, current: int, waiting: list[float],
            kv_usage: list[float], now: float, state: ScalingState) -> int:
     """The number of replicas to run now (``state`` is updated)."""
     wanted = wanted_replicas(config, waiting, kv_usage)
-    if wanted > current:
-        state.wanted_fewer_since = None
-        if state.wanted_more_since is None:
-            state.wanted_more_since = now
-        if now - state.wanted_more_since >= config.upscale_delay_s:
-            state.wanted_more_since = None
-            return wanted
-    elif wanted < current:
-        state.wanted_more_since = None
-        if state.wanted_fewer_since is None:
-            state.wanted_fewer_since = now
-        if now - state.wanted_fewer_since >= config.downscale_delay_s:
-            state.wanted_fewer_since = None
-            return wanted
-    else:
-        state.wanted_more_since = state.wanted_fewer_since = None
+    direction = (wanted > current) - (wanted < current)
+    if direction != state.direction:
+        state.direction, state.since = direction, now
+    delay = config.upscale_delay_s if direction > 0 else config.downscale_delay_s
+    if direction and now - state.since >= delay:
+        state.direction = 0
+        return wanted
     return min(config.max_replicas, max(config.min_replicas, current))
 
 
