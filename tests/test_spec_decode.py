@@ -1,8 +1,9 @@
 """Speculative decoding in the scheduler, with the fake worker that checks
 every KV read and write: greedy outputs are the same with and without drafts
-(oracle, adversarial, partly right and n-gram proposers; k = 1, 2, 4, 8;
-chunked prefill, preemption by recompute and swap, prefix caching on and off,
-n > 1, stops inside a draft), no cached block ever holds a rejected token,
+(oracle, adversarial, partly right, n-gram and suffix proposers; k = 1, 2, 4,
+8; every policy, with and without preemption for priority; chunked prefill,
+preemption by recompute and swap, prefix caching on and off, n > 1, stops
+inside a draft), no cached block ever holds a rejected token,
 and every KV block returns to the pool (no torch)."""
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import random
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from inflight.core.kv_cache_manager import KVCacheManager
-from inflight.core.policy import FCFSPolicy
+from inflight.core.policy import POLICIES, make_policy
 from inflight.core.request import Request
 from inflight.core.sampling_params import SamplingParams
 from inflight.core.scheduler import Scheduler
@@ -58,17 +59,18 @@ class Oracle:
 
 
 def make_scheduler(num_blocks=64, block_size=4, caching=True, budget=64, seqs=8,
-                   preemption="recompute", host_blocks=0) -> Scheduler:
+                   preemption="recompute", host_blocks=0, policy="fcfs",
+                   preempt_for_priority=False) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, host_blocks, enable_caching=caching)
-    return Scheduler(kv, FCFSPolicy(), clock=lambda: 0.0, max_num_seqs=seqs,
+    return Scheduler(kv, make_policy(policy), clock=lambda: 0.0, max_num_seqs=seqs,
                      max_num_batched_tokens=budget, max_model_len=num_blocks * block_size,
-                     preemption_mode=preemption)
+                     preemption_mode=preemption, preempt_for_priority=preempt_for_priority)
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int,
-                 stop_token_ids: Sequence[int] = ()) -> Request:
+                 stop_token_ids: Sequence[int] = (), **hints) -> Request:
     return Request(rid, prompt, SamplingParams(stop_token_ids=list(stop_token_ids)), max_tokens,
-                   frozenset({EOS}))
+                   frozenset({EOS}), **hints)
 
 
 def run(sched: Scheduler, requests: list[tuple[int, Request, list[Request]]],
@@ -107,10 +109,12 @@ def workload(seed: int, n: int = 6, forks: bool = False) -> list[tuple[int, Requ
     for i in range(n):
         prompt = shared + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 14))]
         max_tokens = rng.randint(1, 24)
+        hints = dict(priority=rng.randint(0, 2), tenant=rng.choice("ab"),
+                     deadline=rng.uniform(1, 10))
         children = []
         if forks and i % 3 == 0:
-            children = [make_request(f"r{i}#{j}", prompt, max_tokens) for j in (1, 2)]
-        first = make_request(f"r{i}#0" if children else f"r{i}", prompt, max_tokens)
+            children = [make_request(f"r{i}#{j}", prompt, max_tokens, **hints) for j in (1, 2)]
+        first = make_request(f"r{i}#0" if children else f"r{i}", prompt, max_tokens, **hints)
         out.append((rng.randint(0, 6), first, children))
     return out
 
@@ -127,17 +131,25 @@ OPTIONS = dict(
     num_blocks=st.sampled_from([12, 20, 64]),  # small pools preempt
     budget=st.sampled_from([6, 16, 64]),       # small budgets chunk prompts and cut drafts
     forks=st.booleans(),
+    policy=st.sampled_from(POLICIES),
+    preempt_for_priority=st.booleans(),
     seed=st.integers(0, 10_000),
 )
 
 
 @settings(max_examples=150, deadline=None)
 @given(**OPTIONS)
+# Found by this test: a request preempted by swap right after its blocks for a
+# run of drafts were claimed took them to host memory, and could not be swapped
+# back into the blocks its computed tokens need.
+@example(k=1, proposer="adversarial", caching=False, preemption="swap", num_blocks=12,
+         budget=16, forks=True, policy="fair", preempt_for_priority=True, seed=1)
 def test_drafts_never_change_greedy_outputs(k, proposer, caching, preemption, num_blocks,
-                                            budget, forks, seed):
+                                            budget, forks, policy, preempt_for_priority, seed):
     def options():
         return dict(num_blocks=num_blocks, caching=caching, budget=budget,
-                    preemption=preemption, host_blocks=64)
+                    preemption=preemption, host_blocks=64, policy=policy,
+                    preempt_for_priority=preempt_for_priority)
 
     expected = run(make_scheduler(**options()), workload(seed, forks=forks))
     proposers = {"oracle": Oracle(), "adversarial": Oracle(wrong_at=0),

@@ -235,7 +235,7 @@ class KVCacheManager:
 
     def free_tail(self, request_id: str, num_tokens: int) -> None:
         """Release the request's blocks past its first ``num_tokens`` positions
-        (those that held only rejected draft tokens)."""
+        (those that hold only rejected drafts, or nothing computed yet)."""
         table = self._tables.get(request_id)
         keep = cdiv(num_tokens, self.block_size)
         while table is not None and len(table) > keep:

@@ -436,6 +436,10 @@ class Scheduler:
         request.draft_token_ids = []
         pairs = None
         if self.preemption_mode == "swap" and request.num_computed_tokens:
+            # Only computed KV is worth keeping: blocks claimed for this step's
+            # tokens (or drafts) go back, so that swapping in needs no more
+            # blocks than the computed tokens fill.
+            self.kv_cache.free_tail(request.request_id, request.num_computed_tokens)
             pairs = self.kv_cache.swap_out(request.request_id)
         if pairs is not None:
             out.swap_out.extend(pairs)
