@@ -126,6 +126,28 @@ def test_cli_throughput_and_sweep(tiny_model, tmp_path, capsys):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_each_run_builds_its_engine_after_the_last_one_is_freed(tiny_model, monkeypatch):
+    """On a GPU the KV cache takes what memory is free, so a run's engine must be
+    gone before the next is built (a list of configurations failed on an H100)."""
+    import weakref
+
+    from inflight.bench import commands
+
+    built: list[weakref.ref] = []
+
+    def build(config, **kwargs):
+        assert all(ref() is None for ref in built), "the previous run's engine is still alive"
+        engine = build_engine_core(config, **kwargs)
+        built.append(weakref.ref(engine))
+        return engine
+
+    monkeypatch.setattr(commands, "build_engine_core", build)
+    model = str(tiny_model("llama-gqa"))
+    assert main(["bench", "throughput", "--model", model, "--num-requests", "4", "--ignore-eos",
+                 "--max-num-seqs", "2,3", "--kv-cache-memory", "16MiB"]) == 0
+    assert len(built) == 2
+
+
 def test_shared_prefix_and_multi_turn_workloads_hit_the_cache(tiny_model):
     shared = synthetic("shared-prefix", 6, seed=0, vocab_size=384, max_model_len=512,
                        prefix_len=100, output_len=4)

@@ -88,8 +88,9 @@ def _int_list(text: str) -> list[int]:
 
 
 def _engine(base: EngineConfig, model_stub: bool = False, **changes: Any) -> EngineCore:
-    # The previous run's engine is garbage by now, but held in reference cycles:
-    # collect it before allocating another KV cache.
+    # Callers drop their reference to the previous run's engine first; it is held
+    # in reference cycles, so collect it before allocating another KV cache (on a
+    # GPU the next cache is sized from the memory left free).
     gc.collect()
     return build_engine_core(dataclasses.replace(base, **changes), model_stub=model_stub)
 
@@ -106,6 +107,7 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     engine = None
     for mode, preempt, cache, spec, n in itertools.product(modes, preemption, caching,
                                                            speculation, seqs):
+        engine = None
         engine = _engine(base, args.model_stub, scheduling=mode, max_num_seqs=n,
                          preemption_mode=preempt, enable_prefix_caching=cache,
                          speculative_config=_speculative(spec, args.num_speculative_tokens))
@@ -260,6 +262,7 @@ def sweep(args: argparse.Namespace, base: EngineConfig) -> int:
     requests = None
     for n in seqs:
         for mode in ("continuous", "static"):
+            engine = None
             engine = _engine(base, scheduling=mode, max_num_seqs=n)
             requests = requests or load_workload(args, engine)
             print(f"running {mode} batching, max_num_seqs={n} ...", flush=True)
@@ -274,6 +277,7 @@ def sweep(args: argparse.Namespace, base: EngineConfig) -> int:
                       engine.model.vocab_size, engine.max_model_len, _special_ids(engine))
     timelines = []
     for mode in ("continuous", "static"):
+        engine = None
         engine = _engine(base, scheduling=mode, max_num_seqs=args.timeline_seqs)
         timelines.append(run_engine(engine, small, label=mode, ignore_eos=True,
                                     record_batches=True))
