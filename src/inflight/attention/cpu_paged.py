@@ -1,6 +1,8 @@
 """The CPU backend: the reference backend with the cache writes and the decode
 attention done by C kernels, which read K/V in place in the cache blocks
-(float32 only)."""
+(float32 only). Short runs of query tokens (verified drafts) go through the
+decode kernel token by token, so a drafted token's attention is computed exactly
+as its plain decode would be."""
 
 from __future__ import annotations
 
@@ -22,15 +24,17 @@ class _KernelDecodes:
 
 
 class CpuPagedBackend(TorchPagedBackend):
+    max_decode_query_len = 16
+
     def __init__(self, ops: CpuOps) -> None:
         self.ops = ops
 
-    def _decode_metadata(self, layout: BatchLayout, rows: np.ndarray,
-                         device: torch.device) -> _KernelDecodes:
-        seq_lens = np.ascontiguousarray(layout.seq_lens[rows])
+    def _decode_metadata(self, layout: BatchLayout, owner: np.ndarray, tokens: np.ndarray,
+                         seq_lens: np.ndarray, device: torch.device) -> _KernelDecodes:
         num_blocks = int(-(-seq_lens.max() // layout.block_size))
-        return _KernelDecodes(np.ascontiguousarray(layout.query_start_loc[rows]),
-                              np.ascontiguousarray(layout.block_table[rows, :num_blocks]), seq_lens)
+        return _KernelDecodes(np.ascontiguousarray(tokens),
+                              np.ascontiguousarray(layout.block_table[owner, :num_blocks]),
+                              np.ascontiguousarray(seq_lens))
 
     def _write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slots: torch.Tensor) -> None:

@@ -4,12 +4,15 @@ The cache is stored head-major, ``[num_kv_heads, num_blocks, block_size,
 head_dim]`` per layer for K and for V, so gathering a request's blocks yields a
 contiguous ``[heads, tokens, head_dim]`` matrix per head.
 
-Decode tokens (one query token per request) are attended in batches: their
-blocks are gathered into a padded batch and handled by two batched matrix
-products with a padding mask. Decodes of very different lengths are split
-into a few batches of similar lengths, so that little time goes to padding. Requests with several query tokens (prompts and
-prompt chunks) go through ``scaled_dot_product_attention`` one by one, reading
-fresh K/V directly when they have no cached context.
+Decode tokens are attended in batches: their blocks are gathered into a padded
+batch and handled by two batched matrix products with a padding mask. Decodes
+of very different lengths are split into a few batches of similar lengths, so
+that little time goes to padding. A request with a few query tokens (up to
+``max_decode_query_len``: a verified run of drafts, say) counts as that many
+decodes, each over the keys up to its own position, which is causal attention
+since the step's K/V are written first. Requests with more query tokens
+(prompts and prompt chunks) go through ``scaled_dot_product_attention`` one by
+one, reading fresh K/V directly when they have no cached context.
 """
 
 from __future__ import annotations
@@ -115,6 +118,9 @@ BLOCK_DIM = 1
 
 
 class TorchPagedBackend(AttentionBackend):
+    # Requests with at most this many query tokens are attended as decodes.
+    max_decode_query_len = 1
+
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
                           num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                           device: torch.device) -> KVCaches:
@@ -148,7 +154,8 @@ class TorchPagedBackend(AttentionBackend):
                 d.index_copy_(BLOCK_DIM, dst_ids, s.index_select(BLOCK_DIM, src_ids).to(d.device))
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchPagedMetadata:
-        is_decode = layout.query_lens == 1
+        query_lens = layout.query_lens
+        is_decode = query_lens <= self.max_decode_query_len
         prefills = []
         for i in np.flatnonzero(~is_decode):
             ctx = int(layout.context_lens[i])
@@ -158,28 +165,35 @@ class TorchPagedBackend(AttentionBackend):
                 blocks = torch.from_numpy(layout.block_table[i, :num_blocks].copy()).to(device)
             prefills.append(_Prefill(int(layout.query_start_loc[i]),
                                      int(layout.query_start_loc[i + 1]), ctx, blocks))
-        decode_rows = np.flatnonzero(is_decode)
+        decodes = None
+        requests = np.flatnonzero(is_decode)
+        if len(requests):
+            lens = query_lens[requests]
+            owner = np.repeat(requests, lens)  # the request of each decode token
+            offset = np.arange(len(owner)) - np.repeat(np.cumsum(lens) - lens, lens)
+            decodes = self._decode_metadata(
+                layout, owner, tokens=layout.query_start_loc[owner] + offset,
+                seq_lens=layout.context_lens[owner] + offset + 1, device=device)
         return TorchPagedMetadata(
             slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
             num_tokens=int(layout.slot_mapping.shape[0]), block_size=layout.block_size,
-            decodes=self._decode_metadata(layout, decode_rows, device) if len(decode_rows) else None,
-            prefills=prefills)
+            decodes=decodes, prefills=prefills)
 
-    def _decode_metadata(self, layout: BatchLayout, rows: np.ndarray,
-                         device: torch.device) -> list[_DecodeBatch]:
+    def _decode_metadata(self, layout: BatchLayout, owner: np.ndarray, tokens: np.ndarray,
+                         seq_lens: np.ndarray, device: torch.device) -> list[_DecodeBatch]:
+        """Decode token ``tokens[j]`` of request ``owner[j]`` sees ``seq_lens[j]`` keys."""
         bs = layout.block_size
         num_tokens = layout.slot_mapping.shape[0]
         batches = []
-        for part in _split_by_length(rows, layout.seq_lens[rows], bs):
-            seq_lens = layout.seq_lens[part]
-            num_blocks = int(-(-seq_lens.max() // bs))
-            covers_all = len(part) == num_tokens and (part == np.arange(num_tokens)).all()
+        for part in _split_by_length(np.arange(len(tokens)), seq_lens, bs):
+            lens = seq_lens[part]
+            num_blocks = int(-(-lens.max() // bs))
+            covers_all = len(part) == num_tokens and (tokens[part] == np.arange(num_tokens)).all()
             batches.append(_DecodeBatch(
-                rows=None if covers_all
-                else torch.from_numpy(layout.query_start_loc[part]).to(device),
+                rows=None if covers_all else torch.from_numpy(tokens[part]).to(device),
                 block_table=torch.from_numpy(
-                    np.ascontiguousarray(layout.block_table[part, :num_blocks])).to(device),
-                seq_lens=torch.from_numpy(seq_lens).to(device).unsqueeze(1),
+                    np.ascontiguousarray(layout.block_table[owner[part], :num_blocks])).to(device),
+                seq_lens=torch.from_numpy(lens).to(device).unsqueeze(1),
                 key_positions=torch.arange(num_blocks * bs, device=device)))
         return batches
 

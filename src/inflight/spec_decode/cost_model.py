@@ -9,7 +9,9 @@ samples and the verified runs it holds, over the engine's measured steps. ``choo
 the requests, most promising first, while they raise the expected tokens per
 second of the step, with each request's expected accepted drafts from its own
 running acceptance rate. A request whose drafts were left out is given a
-probe run now and then, so that its rate can recover.
+probe now and then, so that its rate can recover: a run of one draft (the
+cheapest that measures acceptance), twice as far apart after each probe that
+does not win the request back.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ DECAY = 0.98          # weight of past steps in the time fit, per step
 MIN_OBSERVATIONS = 8  # steps before the fit is trusted (until then: draft)
 PRIOR_ACCEPTANCE = 0.5
 ACCEPTANCE_EMA = 0.3  # weight of the newest run in a request's acceptance rate
-PROBE_EVERY = 16      # steps a request goes undrafted before a probe run
+PROBE_EVERY = 16      # steps a request goes undrafted before its first probe run
+MAX_PROBE_EVERY = 256  # probes that do not win the request back space out up to this
 
 
 @dataclass
@@ -29,12 +32,12 @@ class StepTimeModel:
     steps. ``rows`` are the positions that need logits and sampling (a
     decode's one, every position of a verified run): a draft token costs a
     forward pass through the layers and a row of the vocabulary projection and
-    sampler, which prompt tokens do not. ``runs`` counts the verified runs:
-    backends have faster paths for single-token decodes (on the CPU, decode
-    attention in C reading the cache in place), and a verified run leaves
-    them for the path of prompt chunks. Exponentially weighted least squares, with a small
-    ridge on b and c so that steps where every token is a row still give
-    their sum."""
+    sampler, which prompt tokens do not. ``runs`` counts the verified runs,
+    for what a run costs beyond its tokens (the reference backend attends it as
+    a prompt chunk, not with the batched decodes; the CPU and Triton backends
+    attend it like decodes, so there it fits near zero). Exponentially
+    weighted least squares, with a small ridge on b and c so that steps where
+    every token is a row still give their sum."""
 
     xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
     xty: list[float] = field(default_factory=lambda: [0.0] * 4)

@@ -14,8 +14,8 @@ from typing import Protocol
 from inflight.core.request import FinishReason, Request
 from inflight.core.scheduler import SchedulerOutput
 from inflight.spec_decode.config import SpeculativeConfig
-from inflight.spec_decode.cost_model import (ACCEPTANCE_EMA, PRIOR_ACCEPTANCE, PROBE_EVERY,
-                                             StepTimeModel, choose)
+from inflight.spec_decode.cost_model import (ACCEPTANCE_EMA, MAX_PROBE_EVERY, PRIOR_ACCEPTANCE,
+                                             PROBE_EVERY, StepTimeModel, choose)
 from inflight.spec_decode.ngram import NgramProposer
 from inflight.spec_decode.suffix import SuffixProposer
 
@@ -83,6 +83,7 @@ class Speculator:
         self.step_times = StepTimeModel()
         self._acceptance: dict[str, float] = {}  # request id -> running acceptance rate
         self._undrafted: dict[str, int] = {}     # request id -> steps left out by the cost model
+        self._probe_every: dict[str, int] = {}   # request id -> steps between its probes now
 
     def propose(self, running: Sequence[Request]) -> float:
         """Set ``draft_token_ids`` of every running request: the proposer's
@@ -112,9 +113,16 @@ class Speculator:
             chosen = choose(candidates, base_tokens, base_outputs, base_outputs,
                             self.step_times.fit())
             for rid in proposals:
-                left_out = self._undrafted.get(rid, 0) + 1 if rid not in chosen else 0
-                if left_out > PROBE_EVERY:  # a probe run: its rate may have changed
+                if rid in chosen:
+                    self._undrafted[rid] = 0
+                    self._probe_every.pop(rid, None)
+                    continue
+                left_out = self._undrafted.get(rid, 0) + 1
+                every = self._probe_every.get(rid, PROBE_EVERY)
+                if left_out > every:  # a probe: its rate may have changed
                     chosen.add(rid)
+                    proposals[rid] = proposals[rid][:1]
+                    self._probe_every[rid] = min(2 * every, MAX_PROBE_EVERY)
                     left_out = 0
                 self._undrafted[rid] = left_out
         for request in running:
@@ -179,3 +187,4 @@ class Speculator:
             self.proposer.forget(request_id)
             self._acceptance.pop(request_id, None)
             self._undrafted.pop(request_id, None)
+            self._probe_every.pop(request_id, None)

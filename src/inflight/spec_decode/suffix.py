@@ -16,74 +16,132 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-
-class _Node:
-    __slots__ = ("children", "count")
-
-    def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
-        self.count = 0
+ROOT = 0
 
 
 class SuffixTree:
-    """Occurrence counts of every substring of at most ``depth`` tokens."""
+    """Occurrence counts of every substring of at most ``depth`` tokens.
+
+    A node is an index into flat lists, its children a dict of token -> node.
+    Dicts of plain ints are not tracked by the cyclic garbage collector, so a
+    tree of millions of nodes costs a collection nothing; as objects, its
+    nodes made two thirds of the time of adding a long prompt go to
+    collections."""
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self.root = _Node()
+        self.children: list[dict[int, int]] = [{}]
+        self.count: list[int] = [0]
+        self.total: list[int] = [0]   # the children's counts summed
+        self.best: list[int] = [-1]   # the most frequent child's token; -1: not known
+        self._free: list[int] = []    # nodes forgotten, to be reused
+
+    def _new_node(self) -> int:
+        if self._free:
+            node = self._free.pop()
+            self.children[node], self.count[node], self.total[node], self.best[node] = {}, 0, 0, -1
+            return node
+        self.children.append({})
+        self.count.append(0)
+        self.total.append(0)
+        self.best.append(-1)
+        return len(self.count) - 1
+
+    def _release(self, node: int) -> None:
+        """A node and what hangs below it are forgotten."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(self.children[n].values())
+            self.children[n] = {}
+            self._free.append(n)
 
     def add(self, tokens: Sequence[int], sign: int = 1) -> None:
         """Count (or, with ``sign`` -1, uncount) the substrings of ``tokens``."""
-        active: list[_Node] = []
+        active: list[int] = []
         for token in tokens:
             active = self.extend(active, token, sign)
 
-    def extend(self, active: list[_Node], token: int, sign: int = 1) -> list[_Node]:
+    def extend(self, active: list[int], token: int, sign: int = 1) -> list[int]:
         """One more token of a sequence: ``active`` are the nodes of the
         substrings ending at the previous token (shortest first); returns those
         ending at this one."""
+        children, count, total, best = self.children, self.count, self.total, self.best
         grown = []
-        for node in [self.root, *active[:self.depth - 1]]:
-            child = node.children.get(token)
+        for node in [ROOT, *active[:self.depth - 1]]:
+            child = children[node].get(token)
             if child is None:
-                child = node.children[token] = _Node()
-            child.count += sign
-            if child.count <= 0:
-                del node.children[token]
+                if self._free:
+                    child = self._new_node()
+                else:  # (the common case of _new_node, inlined: most of a prompt's cost)
+                    child = len(count)
+                    children.append({})
+                    count.append(0)
+                    total.append(0)
+                    best.append(-1)
+                children[node][token] = child
+            count[child] += sign
+            total[node] += sign
+            known = best[node]
+            if sign < 0 and known == token:
+                best[node] = -1  # another child may be the most frequent now
+            elif (sign > 0 and known >= 0 and known != token
+                  and count[child] > count[children[node][known]]):
+                best[node] = token
+            if count[child] <= 0:
+                del children[node][token]
+                self._release(child)
             else:
                 grown.append(child)
         return grown
 
-    def find(self, context: Sequence[int], max_len: int) -> tuple[_Node, int] | None:
+    def node_of(self, tokens: Sequence[int]) -> int | None:
+        """The node of a substring, if it occurred."""
+        node: int | None = ROOT
+        for token in tokens:
+            node = self.children[node].get(token)
+            if node is None:
+                return None
+        return node
+
+    def find(self, context: Sequence[int], max_len: int,
+             active: list[int] | None = None) -> tuple[int, int] | None:
         """The node of the longest suffix of ``context`` (at most ``max_len``
-        tokens) that occurred with something after it, and its length."""
-        for length in range(min(max_len, len(context)), 0, -1):
-            node = self.root
-            for token in context[len(context) - length:]:
-                node = node.children.get(token)
-                if node is None:
-                    break
-            else:
-                if node.children:
+        tokens) that occurred with something after it, and its length.
+        ``active``: this tree's nodes of the substrings ending at the token
+        before the last (as ``extend`` returned them), if known."""
+        if active is not None and context:
+            last = context[-1]
+            for length in range(min(max_len, len(active) + 1), 0, -1):
+                node = self.children[active[length - 2] if length > 1 else ROOT].get(last)
+                if node is not None and self.children[node]:
                     return node, length
+            return None
+        for length in range(min(max_len, len(context)), 0, -1):
+            node = self.node_of(context[len(context) - length:])
+            if node is not None and self.children[node]:
+                return node, length
         return None
 
-
-def follow(node: _Node, limit: int, min_prob: float) -> tuple[list[int], float]:
-    """The most frequent continuation below ``node``, while each step's
-    conditional frequency keeps the run's probability at ``min_prob`` or more;
-    the tokens and that probability."""
-    tokens: list[int] = []
-    prob = 1.0
-    while len(tokens) < limit and node.children:
-        total = sum(child.count for child in node.children.values())
-        token, child = max(node.children.items(), key=lambda item: item[1].count)
-        if prob * child.count / total < min_prob:
-            break
-        prob *= child.count / total
-        tokens.append(token)
-        node = child
-    return tokens, prob
+    def follow(self, node: int, limit: int, min_prob: float) -> tuple[list[int], float]:
+        """The most frequent continuation below ``node``, while each step's
+        conditional frequency keeps the run's probability at ``min_prob`` or
+        more; the tokens and that probability."""
+        children, count = self.children, self.count
+        tokens: list[int] = []
+        prob = 1.0
+        while len(tokens) < limit and children[node]:
+            token = self.best[node]
+            if token < 0:
+                token = self.best[node] = max(children[node],
+                                              key=lambda t, c=children[node]: count[c[t]])
+            child = children[node][token]
+            if prob * count[child] / self.total[node] < min_prob:
+                break
+            prob *= count[child] / self.total[node]
+            tokens.append(token)
+            node = child
+        return tokens, prob
 
 
 class SuffixProposer:
@@ -96,7 +154,7 @@ class SuffixProposer:
         self._cached_outputs: deque[list[int]] = deque()
         self._max_cached = max_cached_requests
         # request id -> (its tree, active nodes, tokens added so far)
-        self._requests: dict[str, tuple[SuffixTree, list[_Node], int]] = {}
+        self._requests: dict[str, tuple[SuffixTree, list[int], int]] = {}
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
         tree, active, added = self._requests.get(request_id) or (SuffixTree(self.max_depth), [],
@@ -106,13 +164,13 @@ class SuffixProposer:
             active = tree.extend(active, token)
         self._requests[request_id] = (tree, active, max(added, len(tokens) - 1))
         best: tuple[int, float, list[int]] = (0, 0.0, [])
-        for source in (tree, self.cached):
-            found = source.find(tokens, self.max_depth - 1)
+        for source, known in ((tree, active), (self.cached, None)):
+            found = source.find(tokens, self.max_depth - 1, known)
             if found is None:
                 continue
             node, length = found
             limit = min(k, max(1, int(self.max_spec_factor * length)))
-            draft, prob = follow(node, limit, self.min_token_prob)
+            draft, prob = source.follow(node, limit, self.min_token_prob)
             if (len(draft), prob) > best[:2]:
                 best = (len(draft), prob, draft)
         return best[2]
