@@ -112,9 +112,14 @@ def test_cli_throughput_and_sweep(tiny_model, tmp_path, capsys):
     out = tmp_path / "tp.json"
     assert main(["bench", "throughput", "--model", model, "--num-requests", "6",
                  "--ignore-eos", "--scheduling", "continuous,static", "--max-num-seqs", "2,4",
-                 "--kv-cache-memory", "16MiB", "--output-json", str(out)]) == 0
+                 "--kv-cache-memory", "16MiB", "--repeat", "2", "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert len(report["results"]) == 4 and report["roofline"]["best_percent"] > 0
+    repeats = report["repeat"]["output_tokens_per_second"]  # each row: the fastest of its runs
+    assert len(repeats) == 4 and all(len(runs) == 2 for runs in repeats.values())
+    for r in report["results"]:
+        runs = repeats[f"{r['label']} max_num_seqs={r['max_num_seqs']}"]
+        assert r["output_tokens_per_second"] == max(runs)
     assert "continuous/static output tokens/s at max_num_seqs=4" in report["ratios"]
     assert "of roofline" in capsys.readouterr().out
 

@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--num-speculative-tokens", type=int, default=4,
                     help="drafts per request and step when speculating")
     tp.add_argument("--hf-batch-size", type=int, default=16)
+    tp.add_argument("--repeat", type=int, default=1,
+                    help="run every configuration this many times, interleaved (the order "
+                         "reversed every other round), and report each one's fastest run")
     tp.add_argument("--profile", action="store_true", help="print where a step's time goes")
     tp.add_argument("--model-stub", action="store_true",
                     help="no-op model: measure scheduling and input preparation alone")
