@@ -21,7 +21,7 @@ from inflight.core.request import Request
 from inflight.core.sampling_params import SamplingParams
 from inflight.core.scheduler import Scheduler
 from inflight.spec_decode.config import SpeculativeConfig
-from inflight.spec_decode.cost_model import PROBE_EVERY, StepTimeModel, choose, expected_accepted
+from inflight.spec_decode.cost_model import PROBE_EVERY, StepTimeModel, choose
 from inflight.spec_decode.ngram import NgramProposer
 from inflight.spec_decode.speculator import Speculator
 from inflight.spec_decode.suffix import ROOT, SuffixProposer, SuffixTree
@@ -327,18 +327,25 @@ def test_drafts_pay_when_steps_are_memory_bound_and_not_when_compute_bound():
     memory_bound = (0.030, 0.0003, 0.0002, 0.001)  # a decode step's cost is reading the weights
     compute_bound = (0.001, 0.003, 0.001, 0.0)      # every token costs about the same
     one = [("a", 4, 0.5)]
-    assert choose(one, 1, 1, 1, fit=memory_bound) == {"a"}
+    assert choose(one, 1, 1, 1, fit=memory_bound) == {"a": 4}
     many = [(f"r{i}", 4, 0.3) for i in range(16)]
-    assert choose(many, 16, 16, 16, fit=compute_bound) == set()
+    assert choose(many, 16, 16, 16, fit=compute_bound) == {}
     # Drafts that are always accepted still pay where a step's fixed cost dominates.
     sure = [(f"r{i}", 4, 1.0) for i in range(16)]
-    assert len(choose(sure, 16, 16, 16, fit=memory_bound)) == 16
-    assert choose(many, 16, 16, 16, fit=memory_bound) == set()  # 30 % is not enough
+    assert choose(sure, 16, 16, 16, fit=memory_bound) == {f"r{i}": 4 for i in range(16)}
+    # 30 % does not pay for a run's own cost; with none, it pays for a first
+    # draft (accepted 30 % of the time), not for the tail (a fourth draft is
+    # accepted 0.8 % of the time).
+    assert choose(many, 16, 16, 16, fit=memory_bound) == {}
+    free_runs = (0.030, 0.0003, 0.0002, 0.0)
+    assert choose(many, 16, 16, 16, fit=free_runs) == {f"r{i}": 1 for i in range(16)}
+    # Between the two, the likelier requests keep more drafts.
+    mixed = choose([("likely", 4, 0.9), ("unlikely", 4, 0.4)], 2, 2, 2,
+                   fit=(0.020, 0.002, 0.001, 0.0))
+    assert mixed["likely"] > mixed.get("unlikely", 0) >= 0 and mixed["likely"] == 4
     # A run that leaves a fast single-token path costs that much more.
-    assert choose(one, 1, 1, 1, fit=(0.030, 0.0003, 0.0002, 0.030)) == set()
-    assert choose(one, 1, 1, 1, fit=None) == {"a"}  # no fit yet: draft
-    assert expected_accepted(0.5, 4) == pytest.approx(0.9375)
-    assert expected_accepted(1.0, 4) == 4
+    assert choose(one, 1, 1, 1, fit=(0.030, 0.0003, 0.0002, 0.030)) == {}
+    assert choose(one, 1, 1, 1, fit=None) == {"a": 4}  # no fit yet: draft
 
 
 def test_the_speculator_leaves_out_requests_whose_drafts_do_not_pay_and_probes_them():

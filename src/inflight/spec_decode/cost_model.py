@@ -5,9 +5,9 @@ tokens are nearly free; in a large batch the step is compute-bound and every
 drafted token costs about as much as a decoded one.
 
 ``StepTimeModel`` fits a step's seconds to the tokens it computes, the rows it
-samples and the verified runs it holds, over the engine's measured steps. ``choose`` keeps the drafts of
-the requests, most promising first, while they raise the expected tokens per
-second of the step, with each request's expected accepted drafts from its own
+samples and the verified runs it holds, over the engine's measured steps.
+``choose`` keeps drafts one at a time, likeliest first, while they raise the
+expected tokens per second of the step, each draft's chance from its request's
 running acceptance rate. A request whose drafts were left out is given a
 probe now and then, so that its rate can recover: a run of one draft (the
 cheapest that measures acceptance), twice as far apart after each probe that
@@ -16,6 +16,7 @@ does not win the request back.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 DECAY = 0.98          # weight of past steps in the time fit, per step
@@ -64,11 +65,24 @@ class StepTimeModel:
         m = [row[:] for row in self.xtx]
         m[1][1] += ridge
         m[2][2] += ridge
-        solution = _solve(m, self.xty)
-        if solution is None:
-            return None
-        a, b, c, d = solution
-        return max(a, 1e-6), max(b, 0.0), max(c, 0.0), max(d, 0.0)
+        # Costs are not negative: a coefficient that fits below zero is fixed
+        # at zero and the rest fitted again (clipping it afterwards would leave
+        # the others compensating for it: a negative per-run cost made every
+        # draft token look three times dearer than it was).
+        free = [0, 1, 2, 3]
+        while True:
+            solution = _solve([[m[i][j] for j in free] for i in free], [self.xty[i] for i in free])
+            if solution is None:
+                return None
+            coefficients = [0.0] * 4
+            for i, value in zip(free, solution):
+                coefficients[i] = value
+            negative = [i for i in free[1:] if coefficients[i] < 0]
+            if not negative:
+                break
+            free.remove(min(negative, key=lambda i: coefficients[i]))
+        a, b, c, d = coefficients
+        return max(a, 1e-6), b, c, d
 
 
 def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
@@ -87,31 +101,47 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     return [m[r][size] / m[r][r] for r in range(size)]
 
 
-def expected_accepted(acceptance: float, k: int) -> float:
-    """Accepted drafts of a run of k, each accepted with probability
-    ``acceptance`` once the ones before it were."""
-    if acceptance >= 1.0:
-        return float(k)
-    return acceptance * (1 - acceptance ** k) / (1 - acceptance)
-
-
 def choose(candidates: list[tuple[str, int, float]], base_tokens: int, base_rows: int,
-           base_outputs: int, fit: tuple[float, float, float, float] | None) -> set[str]:
-    """Of ``(request id, drafts, acceptance rate)``, those whose drafts raise
-    the step's expected output tokens per second. ``base_*``: what the step
-    computes without drafts (tokens, sampled rows) and the tokens it yields."""
+           base_outputs: int, fit: tuple[float, float, float, float] | None) -> dict[str, int]:
+    """How many of its drafts each of ``(request id, drafts, acceptance rate)``
+    keeps (those keeping none are left out), so that the step's expected output
+    tokens per second is highest. ``base_*``: what the step computes without
+    drafts (tokens, sampled rows) and the tokens it yields.
+
+    A run's j-th draft yields a token with probability ``acceptance ** j`` and
+    costs a token and a sampled row; a run also costs its own ``d``. So a
+    request first offers its best-paying run (the length with the most
+    expected tokens per second, ``d`` included), then one more draft at a
+    time; offers are taken best first while each raises the step's rate: a
+    request with middling acceptance keeps its first drafts and drops the
+    unlikely tail."""
     if fit is None:
-        return {rid for rid, _, _ in candidates}
+        return {rid: k for rid, k, _ in candidates if k > 0}
     a, b, c, d = fit
-    ranked = sorted(candidates, key=lambda cand: -expected_accepted(cand[2], cand[1]) / cand[1])
+    per_draft = max(b + c, 1e-12)
     seconds = a + b * base_tokens + c * base_rows
     outputs = float(base_outputs)
-    best = outputs / seconds
-    best_count, count = 0, 0
-    for _, k, acceptance in ranked:
-        seconds += (b + c) * k + d
-        outputs += expected_accepted(acceptance, k)
-        count += 1
-        if outputs / seconds > best:
-            best, best_count = outputs / seconds, count
-    return {rid for rid, _, _ in ranked[:best_count]}
+    kept: dict[str, int] = {}
+    offers = []  # (-expected tokens per second, request, drafts after it, gain, cost, ...)
+    for rid, k, acceptance in candidates:
+        gain, best = 0.0, None
+        for j in range(1, k + 1):
+            gain += acceptance ** j
+            cost = per_draft * j + d
+            if best is None or gain / cost > best[1] / best[2]:
+                best = (j, gain, cost)
+        if best is not None:
+            offers.append((-best[1] / best[2], rid, best[0], best[1], best[2], acceptance, k))
+    heapq.heapify(offers)
+    while offers:
+        _, rid, upto, gain, cost, acceptance, k = heapq.heappop(offers)
+        if gain * seconds <= cost * outputs:
+            break  # it does not raise the rate, nor does any offer after it
+        outputs += gain
+        seconds += cost
+        kept[rid] = upto
+        if upto < k:  # (it pays less than the run did: the run's length was its best)
+            more = acceptance ** (upto + 1)
+            heapq.heappush(offers, (-more / per_draft, rid, upto + 1, more, per_draft,
+                                    acceptance, k))
+    return kept

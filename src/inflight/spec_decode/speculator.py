@@ -95,7 +95,6 @@ class Speculator:
         candidates = []
         base_tokens = base_outputs = 0
         for request in running:
-            request.draft_token_ids = []
             pending = request.num_tokens - request.num_computed_tokens
             base_tokens += pending
             decoding = pending == 1 and request.num_output_tokens > 0 and not request.padding
@@ -108,27 +107,26 @@ class Speculator:
                 proposals[rid] = drafts
                 candidates.append((rid, len(drafts),
                                    self._acceptance.get(rid, PRIOR_ACCEPTANCE)))
-        chosen = set(proposals)
         if self.config.adaptive and candidates:
-            chosen = choose(candidates, base_tokens, base_outputs, base_outputs,
-                            self.step_times.fit())
-            for rid in proposals:
-                if rid in chosen:
+            kept = choose(candidates, base_tokens, base_outputs, base_outputs,
+                          self.step_times.fit())
+            for rid in list(proposals):
+                if rid in kept:
+                    proposals[rid] = proposals[rid][:kept[rid]]
                     self._undrafted[rid] = 0
                     self._probe_every.pop(rid, None)
                     continue
                 left_out = self._undrafted.get(rid, 0) + 1
                 every = self._probe_every.get(rid, PROBE_EVERY)
                 if left_out > every:  # a probe: its rate may have changed
-                    chosen.add(rid)
                     proposals[rid] = proposals[rid][:1]
                     self._probe_every[rid] = min(2 * every, MAX_PROBE_EVERY)
                     left_out = 0
+                else:
+                    del proposals[rid]
                 self._undrafted[rid] = left_out
         for request in running:
-            drafts = proposals.get(request.request_id)
-            if drafts is not None and request.request_id in chosen:
-                request.draft_token_ids = drafts
+            request.draft_token_ids = proposals.get(request.request_id, [])
         seconds = time.perf_counter() - start
         self.totals.propose_seconds += seconds
         return seconds
@@ -137,14 +135,19 @@ class Speculator:
                  updated: Sequence[Request], seconds: float, propose_seconds: float
                  ) -> SpecStats:
         """After a step of ``seconds``: count what it verified, learn from the
-        requests that finished, and give the cost model the step's shape."""
+        requests that finished, and give the cost model the step's shape if it
+        only decoded. Drafts are weighed in such steps, and a prompt chunk's
+        tokens cost far more than a decode's on a machine where small batches
+        are bound by reading the weights: steps with chunks made a fit that
+        charged every draft a prompt token's price."""
         stats = self.record(out, new_token_ids)
         stats.propose_seconds = propose_seconds
         self.learn([r for r in updated if r.is_finished
                     and r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)])
         rows = (sum(1 for tokens in new_token_ids if tokens)
                 + sum(map(len, out.draft_token_ids)))
-        self.observe_step(out.total_num_tokens, rows, stats.num_drafts, seconds)
+        if out.total_num_tokens == rows:  # every token sampled: decodes and runs alone
+            self.observe_step(out.total_num_tokens, rows, stats.num_drafts, seconds)
         return stats
 
     def observe_step(self, num_tokens: int, num_rows: int, num_runs: int,
@@ -161,9 +164,12 @@ class Speculator:
                 continue
             accepted = max(0, len(tokens) - 1)
             rid = request.request_id
+            # Each draft is accepted with some chance once those before it were:
+            # the run tried the accepted ones and the first rejected, if any.
+            tried = accepted + (accepted < len(drafts))
             rate = self._acceptance.get(rid, PRIOR_ACCEPTANCE)
             self._acceptance[rid] = ((1 - ACCEPTANCE_EMA) * rate
-                                     + ACCEPTANCE_EMA * accepted / len(drafts))
+                                     + ACCEPTANCE_EMA * accepted / tried)
             stats.num_drafts += 1
             stats.num_draft_tokens += len(drafts)
             stats.num_accepted_tokens += accepted
