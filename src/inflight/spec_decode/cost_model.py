@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 DECAY = 0.98          # weight of past steps in the time fit, per step
 MIN_OBSERVATIONS = 8  # steps before the fit is trusted (until then: draft)
 PRIOR_ACCEPTANCE = 0.5
+PAYOFF_MARGIN = 0.1   # a draft is kept if it beats the step's rate by this much (fit error)
 ACCEPTANCE_EMA = 0.3  # weight of the newest run in a request's acceptance rate
 PROBE_EVERY = 16      # steps a request goes undrafted before its first probe run
 MAX_PROBE_EVERY = 256  # probes that do not win the request back space out up to this
@@ -112,9 +113,9 @@ def choose(candidates: list[tuple[str, int, float]], base_tokens: int, base_rows
     costs a token and a sampled row; a run also costs its own ``d``. So a
     request first offers its best-paying run (the length with the most
     expected tokens per second, ``d`` included), then one more draft at a
-    time; offers are taken best first while each raises the step's rate: a
-    request with middling acceptance keeps its first drafts and drops the
-    unlikely tail."""
+    time; offers are taken best first while each raises the step's rate (by
+    ``PAYOFF_MARGIN`` at least: the fit is an estimate): a request with
+    middling acceptance keeps its first drafts and drops the unlikely tail."""
     if fit is None:
         return {rid: k for rid, k, _ in candidates if k > 0}
     a, b, c, d = fit
@@ -135,8 +136,8 @@ def choose(candidates: list[tuple[str, int, float]], base_tokens: int, base_rows
     heapq.heapify(offers)
     while offers:
         _, rid, upto, gain, cost, acceptance, k = heapq.heappop(offers)
-        if gain * seconds <= cost * outputs:
-            break  # it does not raise the rate, nor does any offer after it
+        if gain * seconds <= cost * outputs * (1 + PAYOFF_MARGIN):
+            break  # it does not raise the rate enough, nor does any offer after it
         outputs += gain
         seconds += cost
         kept[rid] = upto
