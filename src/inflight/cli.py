@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput of one workload")
-    _add_bench_args(tp, exclude=("enable_prefix_caching", "speculative_config"))
+    _add_bench_args(tp, exclude=("enable_prefix_caching", "speculative_config", "quantization"))
     tp.add_argument("--scheduling", dest="scheduling_list", default="continuous",
                     help="comma list of continuous, static")
     tp.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--speculative", dest="speculative_list", default="",
                     help="comma list of ngram, suffix, off: speculative decoding per run "
                          "(default: off)")
+    tp.add_argument("--quantization", dest="quantization_list", default="",
+                    help="comma list of none, int8, q8_0, q4_0, q4_1, gguf: the weight format "
+                         "per run (default: none)")
     tp.add_argument("--num-speculative-tokens", type=int, default=4,
                     help="drafts per request and step when speculating")
     tp.add_argument("--hf-batch-size", type=int, default=16)
@@ -144,6 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="no-op model: measure scheduling and input preparation alone")
     tp.add_argument("--output-json", default=None)
     tp.set_defaults(func=_bench_throughput)
+
+    pp = bench.add_parser("perplexity", help="perplexity of a text, per weight format")
+    add_engine_args(pp, exclude=("quantization",))
+    pp.add_argument("--text", required=True, help="a UTF-8 text file to score")
+    pp.add_argument("--quantization", dest="quantization_list", default="none",
+                    help="comma list of none, int8, q8_0, q4_0, q4_1, gguf (the first is the "
+                         "reference of the comparison column)")
+    pp.add_argument("--chunk-size", type=int, default=512, help="tokens per prompt chunk")
+    pp.add_argument("--output-json", default=None)
+    pp.set_defaults(func=_bench_perplexity)
 
     sv = bench.add_parser("serve", help="load an OpenAI-compatible server; latency per class")
     sv.add_argument("--base-url", default="http://127.0.0.1:8000",
@@ -242,6 +255,12 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     from inflight.bench.commands import throughput
 
     return throughput(args, engine_config_from_args(args))
+
+
+def _bench_perplexity(args: argparse.Namespace) -> int:
+    from inflight.bench import perplexity
+
+    return perplexity.run(args, engine_config_from_args(args))
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+# Weight formats of --quantization (model.quantize); "gguf" keeps a GGUF file's own.
+QUANTIZATION_METHODS = ("int8", "q8_0", "q4_0", "q4_1", "gguf")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
 
@@ -83,6 +85,10 @@ class EngineConfig:
     # CUDA: fixed-tiling matrix products and attention splits, so that a request's
     # tokens do not depend on the rest of the batch (the CPU kernels already are).
     batch_invariant: bool = False
+    # Weight quantization (CPU, float32 activations): "int8" (per output channel),
+    # "q8_0", "q4_0", "q4_1" (GGUF block formats, quantized at load) or "gguf"
+    # (a GGUF model's own blocks). None: the weights in dtype.
+    quantization: str | None = None
     # Speculative decoding, vLLM's JSON: {"method": "ngram", "num_speculative_tokens":
     # 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}. None: off.
     speculative_config: dict[str, Any] | str | None = None
@@ -128,6 +134,14 @@ class EngineConfig:
         if self.kernel_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError("kernel_backend must be 'auto', 'torch', 'cpu' or 'triton', "
                              f"got {self.kernel_backend!r}")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, "
+                                 f"got {self.quantization!r}")
+            if self.quantization == "gguf" and not (self.model is None
+                                                     or self.model.endswith(".gguf")):
+                raise ValueError("quantization 'gguf' needs a .gguf model file (or the default "
+                                 f"model), got model {self.model!r}")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.speculative_config is not None:

@@ -102,9 +102,10 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     caching = ([_on_off(x) for x in args.prefix_caching_list.split(",") if x]
                or [base.enable_prefix_caching])
     speculation = [x for x in args.speculative_list.split(",") if x] or ["off"]
+    quantization = [x for x in args.quantization_list.split(",") if x] or ["none"]
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
-    configs = list(itertools.product(modes, preemption, caching, speculation, seqs))
+    configs = list(itertools.product(modes, preemption, caching, speculation, quantization, seqs))
     runs: dict[tuple, list[ThroughputResult]] = {config: [] for config in configs}
     requests = None
     engine = None
@@ -112,15 +113,17 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     # drifts (other tenants, memory bandwidth) slows every configuration alike.
     for round_ in range(args.repeat):
         for config in configs if round_ % 2 == 0 else configs[::-1]:
-            mode, preempt, cache, spec, n = config
+            mode, preempt, cache, spec, quant, n = config
             engine = None
             engine = _engine(base, args.model_stub, scheduling=mode, max_num_seqs=n,
                              preemption_mode=preempt, enable_prefix_caching=cache,
-                             speculative_config=_speculative(spec, args.num_speculative_tokens))
+                             speculative_config=_speculative(spec, args.num_speculative_tokens),
+                             quantization=None if quant == "none" else quant)
             requests = requests or load_workload(args, engine)
             label = "/".join([mode] + [preempt] * (len(preemption) > 1)
                              + [f"cache-{'on' if cache else 'off'}"] * (len(caching) > 1)
-                             + [f"spec-{spec}"] * (len(speculation) > 1))
+                             + [f"spec-{spec}"] * (len(speculation) > 1)
+                             + [f"weights-{quant}"] * (len(quantization) > 1))
             print(f"running {label} batching, max_num_seqs={n}, {len(requests)} requests"
                   + (f" (round {round_ + 1} of {args.repeat})" if args.repeat > 1 else "")
                   + " ...", flush=True)
@@ -237,6 +240,12 @@ def _ratios(results: list[ThroughputResult]) -> dict[str, float]:
         if spec in ("spec-ngram", "spec-suffix") and (f"{base}/spec-off", n) in by:
             ratios[f"{spec[5:]}/off output tokens/s at max_num_seqs={n}"] = (
                 r.output_tokens_per_second / by[f"{base}/spec-off", n].output_tokens_per_second)
+    for (label, n), r in by.items():
+        base, _, weights = label.rpartition("/")
+        if weights.startswith("weights-") and weights != "weights-none" and (
+                f"{base}/weights-none", n) in by:
+            ratios[f"{weights[8:]}/none output tokens/s at max_num_seqs={n}"] = (
+                r.output_tokens_per_second / by[f"{base}/weights-none", n].output_tokens_per_second)
     for (label, n), r in by.items():
         base, _, cache = label.rpartition("/")
         if cache == "cache-on" and (f"{base}/cache-off", n) in by:

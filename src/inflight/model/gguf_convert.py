@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,23 +98,36 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
     tokenizer, tokenizer_config = _tokenizer(reader, meta)
     config = _hf_config(meta, arch, {t.name for t in reader.tensors}, tokenizer.get_vocab_size())
-    tensors = {}
-    for t in reader.tensors:
-        name = _hf_tensor_name(t.name)
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        data = data.reshape([int(d) for d in reversed(t.shape)])
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            data = _unpermute_rotary(data, config["num_attention_heads"])
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            data = _unpermute_rotary(data, config["num_key_value_heads"])
-        tensors[name] = np.ascontiguousarray(data)
+    tensors = {name: data for name, _, data in iter_tensors(reader, config)}
     save_file(tensors, str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
 
 
-def _hf_tensor_name(name: str) -> str:
+def iter_tensors(reader: gguf.GGUFReader, config: dict[str, Any],
+                 keep_blocks: frozenset[gguf.GGMLQuantizationType] = frozenset()
+                 ) -> Iterator[tuple[str, gguf.GGMLQuantizationType, np.ndarray]]:
+    """(Hugging Face name, GGUF type, data) for every tensor of the file: float32
+    in its Hugging Face shape, or for matrices of a type in ``keep_blocks`` the
+    raw blocks ``[rows, bytes per row]``. q/k rows are put back in Hugging Face
+    order either way."""
+    llama = config["model_type"] == "llama"
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if t.tensor_type in keep_blocks and len(t.shape) == 2:
+            data = np.asarray(t.data, dtype=np.uint8)
+        else:
+            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            data = data.reshape([int(d) for d in reversed(t.shape)])
+        if llama and name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = unpermute_rotary(data, config["num_attention_heads"])
+        elif llama and name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = unpermute_rotary(data, config["num_key_value_heads"])
+        yield name, t.tensor_type, np.ascontiguousarray(data)
+
+
+def hf_tensor_name(name: str) -> str:
     base, _, kind = name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
@@ -125,7 +139,7 @@ def _hf_tensor_name(name: str) -> str:
     return f"{_TENSOR_NAMES[base]}.{kind}"
 
 
-def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order (pairs interleaved per head) back to Hugging
     Face's (first half, second half per head)."""
     rows = w.shape[0]

@@ -30,14 +30,22 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
-        self._packed: torch.Tensor | None = None
+        self._packed: Any = None
         self._ops: LinearOps | None = None
 
     def pack(self, ops: LinearOps, keep_weight: bool) -> None:
-        self._packed = ops.pack_weight(self.weight.data)
-        self._ops = ops
+        self.set_packed(ops, ops.pack_weight(self.weight.data), keep_weight)
+
+    def set_packed(self, ops: LinearOps, packed: Any, keep_weight: bool = False) -> None:
+        """Run through ``ops`` on a weight already in its layout (say quantized
+        blocks read from a GGUF file)."""
+        self._packed, self._ops = packed, ops
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+
+    @property
+    def packed(self) -> Any:
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
@@ -46,12 +54,39 @@ class Linear(nn.Module):
 
 
 def pack_linear_weights(model: nn.Module, ops: LinearOps) -> None:
-    """Hand every Linear of ``model`` to ``ops``."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    """Hand every Linear of ``model`` not packed yet to ``ops``."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None]
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear)
               for p in m.parameters(recurse=False)}
     for linear in linears:
         linear.pack(ops, keep_weight=id(linear.weight) in shared)
+
+
+class Embedding(nn.Module):
+    """Token embedding lookup from a float table, or from a quantized matrix
+    (``ops.quant``): its own, or that of the output layer it is tied to."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype),
+                                   requires_grad=False)
+        self._packed: Any = None
+        self._ops: Any = None
+
+    def set_quantized(self, ops: Any, packed: Any) -> None:
+        """Look rows up in ``packed`` (a ``QuantizedWeight``) through ``ops``
+        (``QuantOps``); the float table is dropped."""
+        self._packed, self._ops = packed, ops
+        self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+
+    @property
+    def packed(self) -> Any:
+        return self._packed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return self._ops.embedding(ids, self._packed)
+        return F.embedding(ids, self.weight)
 
 
 class RMSNorm(nn.Module):

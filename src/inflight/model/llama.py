@@ -15,7 +15,7 @@ from torch import nn
 
 from inflight.attention.backend import AttentionBackend
 from inflight.model.config import ModelConfig
-from inflight.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from inflight.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from inflight.ops.torch_ops import TorchOps
 
 
@@ -81,9 +81,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                  config.rope_scaling, config.max_position_embeddings, dtype)
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), _freeze=True)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend, ops, rotary, dtype)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
@@ -103,20 +101,39 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     # ------------------------------------------------------------- loading
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    # Our fused linear layers and the Hugging Face ones they stack, in row order.
+    packed_modules_mapping = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    }
+
+    def checkpoint_names(self, module: str) -> list[str]:
+        """The Hugging Face names of the weights stacked in one of our modules'
+        weight (``layers.0.self_attn.qkv_proj``: q, k and v)."""
+        for ours, parts in self.packed_modules_mapping.items():
+            if module.endswith(ours):
+                base = module[:-len(ours)]
+                return [f"model.{base}{part}.weight" for part in parts]
+        return [f"{module}.weight" if module == "lm_head" else f"model.{module}.weight"]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     set_elsewhere: frozenset[str] = frozenset()) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises if
-        any parameter is left unset or a tensor has no home."""
+        any parameter is left unset (other than those named in
+        ``set_elsewhere``, say quantized weights read as blocks) or a tensor has
+        no home."""
         params = dict(self.named_parameters())
-        unset = set(params)
+        unset = set(params) - set_elsewhere
         cfg = self.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        fused = {  # HF suffix -> (our suffix, row offset)
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-            "self_attn.k_proj": ("self_attn.qkv_proj", q),
-            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-            "mlp.up_proj": ("mlp.gate_up_proj", cfg.intermediate_size),
-        }
+        rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
+                "mlp.gate_proj": cfg.intermediate_size, "mlp.up_proj": cfg.intermediate_size}
+        fused = {}  # HF suffix -> (our suffix, row offset)
+        for ours, parts in self.packed_modules_mapping.items():
+            offset = 0
+            for part in parts:
+                fused[part] = (ours, offset)
+                offset += rows[part]
         parts_seen: dict[str, int] = {}
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")

@@ -46,6 +46,12 @@ def resolve_model_dir(model: str | None) -> Path:
     raise ValueError(f"model {model!r} is neither a model directory nor a .gguf file")
 
 
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file ``model`` names (the default model's when None), else None."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def model_display_name(model: str | None) -> str:
     return DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")
 

@@ -1,6 +1,7 @@
-"""C kernels for float32 on the CPU (``csrc/cpu_kernels.c``), compiled on first use
-with the machine's C compiler for this exact CPU, cached, and called through
-ctypes. There is no build step at install time: without a compiler, or if the
+"""C kernels for float32 on the CPU (``csrc/cpu_kernels.c``, and the
+weight-quantized linear layers of ``csrc/quant_kernels.c`` that ``ops.quant``
+wraps), compiled on first use with the machine's C compiler for this exact CPU,
+cached, and called through ctypes. There is no build step at install time: without a compiler, or if the
 build fails, ``load_library()`` returns None and the engine uses ``TorchOps``.
 """
 
@@ -24,7 +25,9 @@ from inflight.ops.torch_ops import TorchOps
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "cpu_kernels.c", CSRC / "quant_kernels.c"]
+HEADERS = [CSRC / "linear_kernel.h"]
 LINEAR_PANEL = 16  # LINEAR_NR in the C source: output columns per packed weight panel
 # gnu11 rather than c11: ISO mode would forbid contracting a*b+c into one FMA.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared",
@@ -44,6 +47,9 @@ _SIGNATURES = {
     "inflight_rotary_f32": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]),
     "inflight_add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "inflight_silu_and_mul_f32": (None, [_ptr, _ptr, _i64, _i64]),
+    "inflight_quant_linear": (ctypes.c_int, [_i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
+                                             _i64]),
+    "inflight_quant_embedding": (None, [_i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64]),
 }
 
 
@@ -67,14 +73,14 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.info("no C compiler found: using the PyTorch kernels")
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
+    sources = [path.read_bytes() for path in SOURCES + HEADERS]
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), compiler.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
     library = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         tmp = library.with_name(f"{library.name}.tmp-{os.getpid()}")
-        result = subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"],
+        result = subprocess.run([compiler, *FLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             logger.warning("building the C kernels failed, using the PyTorch kernels:\n%s",

@@ -1,6 +1,6 @@
 """Builds the real model runner from an EngineConfig: the device and threads,
 the dtype, the kernels, the model and its weights (packed for the C matrix
-product), the KV cache's size (on CUDA, from the memory left after profiling
+product, or quantized), the KV cache's size (on CUDA, from the memory left after profiling
 the largest step), from which the context limit follows, and the CUDA graphs."""
 
 from __future__ import annotations
@@ -15,9 +15,14 @@ from inflight.attention.backend import AttentionBackend
 from inflight.config import EngineConfig
 from inflight.model.config import ModelConfig
 from inflight.model.layers import pack_linear_weights
-from inflight.model.loader import iter_safetensors
+from inflight.model.loader import gguf_file, iter_safetensors
+from inflight.model.quantize import (load_gguf_blocks, quantize_weights, read_gguf_weights,
+                                     weight_bytes)
 from inflight.model.registry import get_model_class
 from inflight.model.stub import StubModel
+from inflight.ops.cpu_ops import CpuOps, load_library
+from inflight.ops.quant import QuantOps
+from inflight.ops.torch_ops import TorchOps
 from inflight.worker.cpu_setup import configure_cpu
 from inflight.worker.cuda_graphs import cuda_graph_factory
 from inflight.worker.gpu_memory import kv_cache_budget, profile_step
@@ -93,14 +98,18 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
                                   batch_invariant=config.batch_invariant)
     if stub_token_id is not None:
         model = StubModel(model_config, dtype, stub_token_id)
+        num_parameters = sum(p.numel() for p in model.parameters())
     else:
         with torch.device(device):
             model = get_model_class(model_config.architecture)(
                 model_config, backend, ops, max_positions, dtype)
-        model.load_weights(iter_safetensors(model_dir, dtype))
-    num_parameters = sum(p.numel() for p in model.parameters())  # before packing
-    if ops.packs_weights and stub_token_id is None:
-        pack_linear_weights(model, ops)
+        num_parameters = sum(p.numel() for p in model.parameters())  # before packing
+        _load_weights(model, config, model_dir, dtype, ops)
+        if ops.packs_weights:
+            pack_linear_weights(model, ops)
+    resident = weight_bytes(model)
+    logger.info("weights: %.1f MiB (%s)", resident / 2**20,
+                config.quantization or str(dtype).removeprefix("torch."))
     model.eval()
 
     if num_blocks is None:
@@ -114,7 +123,7 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
     runner = ModelRunner(model, backend, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                          block_size=config.block_size, device=device, dtype=dtype,
                          seed=config.seed, max_model_len=max_model_len,
-                         num_parameters=num_parameters)
+                         num_parameters=num_parameters, weight_bytes=resident)
     if (device.type == "cuda" and not config.enforce_eager and stub_token_id is None
             and hasattr(backend, "decode_buffers")):
         start = time.perf_counter()
@@ -122,6 +131,26 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
         logger.info("captured CUDA graphs for %d batch sizes in %.1f s",
                     len(runner.graphs.sizes), time.perf_counter() - start)
     return runner
+
+
+def _load_weights(model: torch.nn.Module, config: EngineConfig, model_dir: Path,
+                  dtype: torch.dtype, ops: TorchOps) -> None:
+    """The checkpoint's weights into ``model``, quantized as configured."""
+    method = config.quantization
+    if method is None:
+        model.load_weights(iter_safetensors(model_dir, dtype))
+        return
+    if not isinstance(ops, CpuOps) or dtype != torch.float32:
+        raise ValueError(f"quantization {method!r} runs on the CPU's C kernels: it needs "
+                         "device cpu, dtype float32 and a C compiler")
+    quant_ops = QuantOps(load_library(), None if method == "gguf" else method)
+    if method != "gguf":
+        model.load_weights(iter_safetensors(model_dir, dtype))
+        quantize_weights(model, quant_ops)
+        return
+    floats, blocks = read_gguf_weights(gguf_file(config.model), model_dir)
+    quantized = load_gguf_blocks(model, quant_ops, blocks, floats)
+    model.load_weights(floats.items(), set_elsewhere=quantized)
 
 
 def _num_blocks(config: EngineConfig, kv_bytes: int, block_bytes: int) -> int:

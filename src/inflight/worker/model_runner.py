@@ -44,9 +44,11 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int,
-                 max_model_len: int, num_parameters: int, num_host_blocks: int = 0) -> None:
+                 max_model_len: int, num_parameters: int, weight_bytes: int = 0,
+                 num_host_blocks: int = 0) -> None:
         """``num_parameters``: the model's, as stored (a tied embedding once),
-        counted before its weights were packed."""
+        counted before its weights were packed; ``weight_bytes``: the memory its
+        weights take as loaded (packed, quantized)."""
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -57,6 +59,7 @@ class ModelRunner:
         self.num_host_blocks = num_host_blocks
         self.max_model_len = max_model_len
         self.num_parameters = num_parameters
+        self.weight_bytes = weight_bytes
         self.kv_caches = backend.allocate_kv_cache(
             cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
             cfg.head_dim, dtype, device)
@@ -208,6 +211,35 @@ class ModelRunner:
             return ends - 1
         return np.concatenate([np.arange(end - 1 - len(out.draft_token_ids[i]), end)
                                for i, end in zip(sample_rows, ends.tolist())])
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: Sequence[int], chunk_size: int = 512) -> np.ndarray:
+        """The log-probability of each token after the first given those before
+        it, the text run in prompt chunks of ``chunk_size`` tokens through the
+        first blocks of the KV cache (so only on a runner with no request in
+        flight: scoring, perplexity)."""
+        n, bs = len(token_ids), self.block_size
+        limit = min(self.max_model_len, self.num_kv_blocks * bs)
+        if not 2 <= n <= limit:
+            raise ValueError(f"a text to score needs 2 to {limit} tokens, got {n}")
+        block_table = np.arange(-(-n // bs), dtype=np.int64)[None]
+        ids = np.asarray(token_ids, dtype=np.int64)
+        logprobs = []
+        for start in range(0, n - 1, chunk_size):
+            end = min(start + chunk_size, n)
+            layout = BatchLayout(query_start_loc=np.array([0, end - start], dtype=np.int64),
+                                 context_lens=np.array([start], dtype=np.int64),
+                                 seq_lens=np.array([end], dtype=np.int64),
+                                 block_table=block_table,
+                                 slot_mapping=np.arange(start, end, dtype=np.int64),
+                                 block_size=bs)
+            scored = min(end, n - 1) - start  # positions whose next token is known
+            logits = self._forward(ids[start:end], np.arange(start, end, dtype=np.int64),
+                                   layout, np.arange(scored, dtype=np.int64))
+            targets = torch.from_numpy(ids[start + 1:start + 1 + scored]).to(logits.device)
+            chunk = torch.log_softmax(logits.float(), dim=-1)
+            logprobs.append(chunk.gather(1, targets[:, None])[:, 0].cpu().numpy())
+        return np.concatenate(logprobs).astype(np.float64)
 
     def _forward(self, input_ids: np.ndarray, positions: np.ndarray, layout: BatchLayout,
                  logits_index: np.ndarray) -> torch.Tensor | None:

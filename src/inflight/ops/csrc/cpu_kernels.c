@@ -13,16 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Parallelise only loops with at least this many elements of work. */
-#define PARALLEL_MIN_WORK 32768
-
-/* 8 floats; loads and stores through it may be unaligned. */
-typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
-
-static inline float hsum8(v8f v)
-{
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
+#include "linear_kernel.h"
 
 /* exp(x) for x <= 0 (softmax numerators), relative error below 2e-7. Plain
  * arithmetic, so loops over it vectorise (libm's expf is a scalar call). */
@@ -234,16 +225,10 @@ int inflight_decode_attention_f32(
 
 /* ---- Linear layers: y[M, N] = x[M, K] . W[N, K]^T (+ bias) ----
  *
- * W is packed once into panels of LINEAR_NR output columns, k-major inside a
- * panel ([ceil(N / NR)][K][NR], zero-padded), so the microkernel streams it
- * contiguously. The microkernel keeps a 6 x 16 block of y in twelve vector
- * registers and, for each k, broadcasts six x values against the two weight
- * vectors. Each output is summed over k in the same order whatever M is, so
- * a row's result does not depend on the rest of the batch. Threads split the
+ * W is packed once into panels of LINEAR_NR output columns (see
+ * linear_kernel.h), k-major inside a panel ([ceil(N / NR)][K][NR],
+ * zero-padded), so the microkernel streams it contiguously. Threads split the
  * panels. */
-#define LINEAR_NR 16
-#define LINEAR_MR 6
-
 void inflight_pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k)
 {
     const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR;
@@ -258,59 +243,15 @@ void inflight_pack_weight_f32(const float *w, float *packed, int64_t n, int64_t 
     }
 }
 
-static inline __attribute__((always_inline)) void linear_block(
-    const float *x, int64_t k, const float *panel, const float *bias, float *y, int64_t n,
-    int64_t col, int64_t cols, int rows)
-{
-    v8f acc[LINEAR_MR][2];
-    for (int r = 0; r < LINEAR_MR; r++)
-        acc[r][0] = acc[r][1] = (v8f){0};
-    for (int64_t kk = 0; kk < k; kk++) {
-        const v8f w0 = *(const v8f *)(panel + kk * LINEAR_NR);
-        const v8f w1 = *(const v8f *)(panel + kk * LINEAR_NR + 8);
-        for (int r = 0; r < rows; r++) {
-            const float xv = x[r * k + kk];
-            acc[r][0] += xv * w0;
-            acc[r][1] += xv * w1;
-        }
-    }
-    for (int r = 0; r < rows; r++) {
-        float *yr = y + r * n + col;
-        if (cols == LINEAR_NR) {
-            v8f b0 = {0}, b1 = {0};
-            if (bias) {
-                b0 = *(const v8f *)(bias + col);
-                b1 = *(const v8f *)(bias + col + 8);
-            }
-            *(v8f *)yr = acc[r][0] + b0;
-            *(v8f *)(yr + 8) = acc[r][1] + b1;
-        } else {
-            for (int64_t j = 0; j < cols; j++)
-                yr[j] = (j < 8 ? acc[r][0][j] : acc[r][1][j - 8]) + (bias ? bias[col + j] : 0.0f);
-        }
-    }
-}
-
 void inflight_linear_f32(const float *x, const float *packed, const float *bias, float *y,
                          int64_t m, int64_t n, int64_t k)
 {
     const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR;
 #pragma omp parallel for schedule(static) if (m * n * k > PARALLEL_MIN_WORK)
     for (int64_t p = 0; p < panels; p++) {
-        const float *panel = packed + p * k * LINEAR_NR;
         const int64_t col = p * LINEAR_NR;
-        const int64_t cols = n - col < LINEAR_NR ? n - col : LINEAR_NR;
-        int64_t row = 0;
-        for (; row + LINEAR_MR <= m; row += LINEAR_MR)
-            linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, LINEAR_MR);
-        switch (m - row) {  /* constant row counts, so each tail is unrolled too */
-        case 5: linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, 5); break;
-        case 4: linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, 4); break;
-        case 3: linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, 3); break;
-        case 2: linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, 2); break;
-        case 1: linear_block(x + row * k, k, panel, bias, y + row * n, n, col, cols, 1); break;
-        default: break;
-        }
+        linear_panel(x, m, k, packed + p * k * LINEAR_NR, NULL, bias, y, n, col,
+                     n - col < LINEAR_NR ? n - col : LINEAR_NR);
     }
 }
 

@@ -1,0 +1,111 @@
+"""Quantized weights for a model (``--quantization``).
+
+``int8``, ``q8_0``, ``q4_0``, ``q4_1``: every linear layer's float weight,
+the output layer's included, is quantized at load. ``gguf``: the model comes
+from a GGUF file and keeps that file's own Q8_0, Q4_0 and Q4_1 blocks, never
+expanded to float32 (float32 and float16 matrices stay float32). Either way an
+embedding tied to the output layer looks its rows up in the output layer's
+quantized matrix, so the table is stored once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from torch import nn
+
+from inflight.model.gguf_convert import iter_tensors
+from inflight.model.layers import Embedding, Linear
+from inflight.ops.quant import GGUF_FORMATS, QuantizedWeight, QuantOps, pack_blocks
+
+_BLOCK_TYPES = {t: name for name, t in GGUF_FORMATS.items()}
+
+
+def quantize_weights(model: nn.Module, ops: QuantOps) -> None:
+    """Quantize every linear layer's float weight to ``ops.format``."""
+    for module in list(model.modules()):
+        if isinstance(module, Linear) and module.packed is None:
+            _share(model, module.weight, ops, ops.pack_weight(module.weight.data))
+
+
+def read_gguf_weights(gguf_path: Path, model_dir: Path
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray]]]:
+    """The tensors of a GGUF file by Hugging Face name: float32 ones, and the
+    raw blocks ``(format, [rows, bytes per row])`` of Q8_0, Q4_0 and Q4_1
+    matrices. ``model_dir`` is the file's converted directory (its config)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    floats, blocks = {}, {}
+    reader = gguf.GGUFReader(str(gguf_path))
+    for name, kind, data in iter_tensors(reader, config, frozenset(_BLOCK_TYPES)):
+        if kind in _BLOCK_TYPES and data.dtype == np.uint8:
+            blocks[name] = (_BLOCK_TYPES[kind], data)
+        else:
+            floats[name] = torch.from_numpy(np.array(data))  # the file is mapped read-only
+    return floats, blocks
+
+
+def load_gguf_blocks(model: nn.Module, ops: QuantOps, blocks: dict[str, tuple[str, np.ndarray]],
+                     floats: dict[str, torch.Tensor]) -> frozenset[str]:
+    """Hand each layer whose weight the file holds in one block format its
+    blocks; the names of the parameters so set. A fused layer whose parts come
+    in different formats stays float: its blocks move to ``floats``,
+    dequantized."""
+    done: set[str] = set()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (Linear, Embedding)) or module.packed is not None:
+            continue
+        parts = [part for part in model.checkpoint_names(name) if part in blocks]
+        if not parts:
+            continue
+        formats = {blocks[part][0] for part in parts}
+        if len(parts) < len(model.checkpoint_names(name)) or len(formats) > 1:
+            for part in parts:
+                fmt, data = blocks.pop(part)
+                floats[part] = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(
+                    data, GGUF_FORMATS[fmt]), dtype=np.float32))
+            continue
+        data = np.concatenate([blocks[part][1] for part in parts])
+        rows, cols = module.weight.shape
+        if data.shape[0] != rows:
+            raise ValueError(f"GGUF tensors {', '.join(parts)} have {data.shape[0]} rows, "
+                             f"expected {rows}")
+        done.update(_share(model, module.weight, ops,
+                           pack_blocks(formats.pop(), data, rows, cols)))
+    return frozenset(done)
+
+
+def _share(model: nn.Module, weight: nn.Parameter, ops: QuantOps,
+           packed: QuantizedWeight) -> list[str]:
+    """Every module holding ``weight`` (a tied embedding and output layer) reads
+    ``packed`` instead; the names of the parameters replaced."""
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (Linear, Embedding)) and module.weight is weight:
+            if isinstance(module, Linear):
+                module.set_packed(ops, packed)
+            else:
+                module.set_quantized(ops, packed)
+            replaced.append(f"{name}.weight")
+    return replaced
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights occupy as stored: parameters, buffers (rotary
+    tables) and packed or quantized matrices, each counted once."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if packed is not None and id(packed) not in seen:
+            seen.add(id(packed))
+            total += (packed.nbytes if isinstance(packed, QuantizedWeight)
+                      else packed.numel() * packed.element_size())
+    return total

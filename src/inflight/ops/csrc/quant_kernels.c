@@ -1,0 +1,377 @@
+/* Linear layers and embedding lookups on weight-quantized matrices, computed
+ * in float32 from the quantized values without a float32 copy of the weights.
+ *
+ * Formats (QUANT_* below): int8 with one float32 scale per output column, and
+ * three GGUF block formats over blocks of 32 weights along K, each block with
+ * a float16 scale d (and for Q4_1 a float16 minimum m):
+ *   Q8_0: w = d * q,        q int8
+ *   Q4_0: w = d * (q - 8),  q in 0..15
+ *   Q4_1: w = d * q + m,    q in 0..15
+ *
+ * Weights are repacked at load (not dequantized) into panels of LINEAR_NR = 16
+ * output columns, so that the register-blocked microkernel of the float32 path
+ * reads them as it reads a float32 panel, widening each k's 16 weights to two
+ * float vectors in registers. int8 panels are [K][16] int8. A GGUF panel is a
+ * run of groups, one per block of 32 k: the 16 columns' d (float16), for Q4_1
+ * their 16 m, then the quants: Q8_0 [32][16] int8; Q4_0 and Q4_1 [32][8] bytes,
+ * byte j holding column j in its low nibble and column j + 8 in its high one.
+ *
+ * Few rows (decode) read the panel once and widen in registers; many rows
+ * (prompt chunks) widen each panel once into a float32 scratch panel and run
+ * the float32 microkernel over it. Both compute each weight and each output's
+ * sum over k identically, so results do not depend on the path or the batch.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "linear_kernel.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QUANT_X86 1
+#endif
+
+enum { QUANT_INT8 = 0, QUANT_Q8_0 = 1, QUANT_Q4_0 = 2, QUANT_Q4_1 = 3 };
+
+#define QUANT_BLOCK 32
+/* From this many rows on, widen each panel once into scratch. */
+#define QUANT_SCRATCH_MIN_ROWS 8
+
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4), may_alias));
+
+/* ---- widening helpers (AVX2 instructions where present) ---- */
+
+static inline v8i widen_u8(const uint8_t *p)
+{
+#ifdef QUANT_X86
+    return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    v8i v;
+    for (int i = 0; i < 8; i++)
+        v[i] = p[i];
+    return v;
+#endif
+}
+
+static inline v8i widen_s8(const uint8_t *p)
+{
+#ifdef QUANT_X86
+    return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    v8i v;
+    for (int i = 0; i < 8; i++)
+        v[i] = (int8_t)p[i];
+    return v;
+#endif
+}
+
+static inline v8f to_float(v8i v)
+{
+#ifdef QUANT_X86
+    return (v8f)_mm256_cvtepi32_ps((__m256i)v);
+#else
+    return __builtin_convertvector(v, v8f);
+#endif
+}
+
+/* IEEE half (bits) to float. */
+static inline float half_to_float(uint16_t h)
+{
+#ifdef QUANT_X86
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    const uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (exp == 0x1f) {
+        v.u = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        v.u = sign | ((exp + 112) << 23) | (mant << 13);
+    } else {  /* zero or subnormal: mant * 2^-24 */
+        v.f = (float)mant * 5.9604644775390625e-8f;
+        v.u |= sign;
+    }
+    return v.f;
+#endif
+}
+
+static inline v8f halves_to_float(const uint8_t *p)
+{
+#ifdef QUANT_X86
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    v8f v;
+    for (int i = 0; i < 8; i++) {
+        uint16_t h;
+        memcpy(&h, p + 2 * i, 2);
+        v[i] = half_to_float(h);
+    }
+    return v;
+#endif
+}
+
+/* ---- panel layout ---- */
+
+static inline int64_t header_bytes(int fmt)
+{
+    return fmt == QUANT_Q4_1 ? 4 * LINEAR_NR : 2 * LINEAR_NR;
+}
+
+static inline int64_t group_bytes(int fmt)
+{
+    return header_bytes(fmt) + QUANT_BLOCK * (fmt == QUANT_Q8_0 ? LINEAR_NR : LINEAR_NR / 2);
+}
+
+static inline int64_t panel_bytes_of(int64_t fmt, int64_t k)
+{
+    return fmt == QUANT_INT8 ? k * LINEAR_NR : k / QUANT_BLOCK * group_bytes((int)fmt);
+}
+
+/* A group's scales for the panel's 16 columns (d0/m0 columns 0-7, d1/m1 8-15);
+ * m is the offset added after scaling (Q4_0: -8 d, exactly). */
+typedef struct { v8f d0, d1, m0, m1; } group_scales;
+
+static inline __attribute__((always_inline)) group_scales load_scales(int fmt, const uint8_t *g)
+{
+    group_scales s;
+    s.d0 = halves_to_float(g);
+    s.d1 = halves_to_float(g + 16);
+    if (fmt == QUANT_Q4_1) {
+        s.m0 = halves_to_float(g + 32);
+        s.m1 = halves_to_float(g + 48);
+    } else {
+        s.m0 = s.d0 * -8.0f;
+        s.m1 = s.d1 * -8.0f;
+    }
+    return s;
+}
+
+/* The 16 weights of row kk of a group's quants (or of an int8 panel, where
+ * they stay unscaled: the column scale applies to the sum). */
+static inline __attribute__((always_inline)) void widen_weights(
+    int fmt, const uint8_t *q, int64_t kk, const group_scales *s, v8f *w0, v8f *w1)
+{
+    if (fmt == QUANT_INT8 || fmt == QUANT_Q8_0) {
+        *w0 = to_float(widen_s8(q + kk * LINEAR_NR));
+        *w1 = to_float(widen_s8(q + kk * LINEAR_NR + 8));
+        if (fmt == QUANT_Q8_0) {
+            *w0 *= s->d0;
+            *w1 *= s->d1;
+        }
+    } else {
+        const v8i v = widen_u8(q + kk * (LINEAR_NR / 2));
+        *w0 = to_float(v & 15) * s->d0 + s->m0;
+        *w1 = to_float(v >> 4) * s->d1 + s->m1;
+    }
+}
+
+/* ---- direct path: a tile of rows x panels, read once ----
+ *
+ * Each output's sum over k is one chain of FMAs, so a tile needs several
+ * outputs in flight to hide the FMA latency: with one or two rows (decode), a
+ * tile spans four or two panels. Every output is still summed in k order, the
+ * same whatever the tile. */
+
+#define QUANT_TILE 4  /* rows x panels of a tile, at most */
+
+static inline __attribute__((always_inline)) void quant_tile(
+    int fmt, const float *x, int64_t k, const uint8_t *panel, int64_t panel_bytes, int panels,
+    const float *scale, const float *bias, float *y, int64_t n, int64_t col, int rows)
+{
+    v8f acc[QUANT_TILE][2];  /* row r, panel p at r * panels + p */
+    for (int t = 0; t < QUANT_TILE; t++)
+        acc[t][0] = acc[t][1] = (v8f){0};
+    if (fmt == QUANT_INT8) {
+        for (int64_t kk = 0; kk < k; kk++) {
+            for (int p = 0; p < panels; p++) {
+                v8f w0, w1;
+                widen_weights(fmt, panel + p * panel_bytes, kk, NULL, &w0, &w1);
+                for (int r = 0; r < rows; r++) {
+                    const float xv = x[r * k + kk];
+                    acc[r * panels + p][0] += xv * w0;
+                    acc[r * panels + p][1] += xv * w1;
+                }
+            }
+        }
+    } else {
+        const int64_t stride = group_bytes(fmt);
+        for (int64_t g = 0; g < k / QUANT_BLOCK; g++) {
+            group_scales s[QUANT_TILE];
+            for (int p = 0; p < panels; p++)
+                s[p] = load_scales(fmt, panel + p * panel_bytes + g * stride);
+            const float *xg = x + g * QUANT_BLOCK;
+            for (int64_t kk = 0; kk < QUANT_BLOCK; kk++) {
+                for (int p = 0; p < panels; p++) {
+                    v8f w0, w1;
+                    widen_weights(fmt, panel + p * panel_bytes + g * stride + header_bytes(fmt),
+                                  kk, &s[p], &w0, &w1);
+                    for (int r = 0; r < rows; r++) {
+                        const float xv = xg[r * k + kk];
+                        acc[r * panels + p][0] += xv * w0;
+                        acc[r * panels + p][1] += xv * w1;
+                    }
+                }
+            }
+        }
+    }
+    for (int p = 0; p < panels; p++) {
+        v8f out[QUANT_TILE][2];
+        for (int r = 0; r < rows; r++) {
+            out[r][0] = acc[r * panels + p][0];
+            out[r][1] = acc[r * panels + p][1];
+        }
+        const int64_t c = col + p * LINEAR_NR;
+        store_block(out, rows, fmt == QUANT_INT8 ? scale : NULL, bias, y, n, c,
+                    n - c < LINEAR_NR ? n - c : LINEAR_NR);
+    }
+}
+
+/* All m (< QUANT_SCRATCH_MIN_ROWS) rows against `panels` adjacent panels. */
+static inline __attribute__((always_inline)) void quant_direct(
+    int fmt, const float *x, int64_t m, int64_t k, const uint8_t *panel, int64_t panel_bytes,
+    int panels, const float *scale, const float *bias, float *y, int64_t n, int64_t col)
+{
+    if (m == 1 && panels == 4) {
+        quant_tile(fmt, x, k, panel, panel_bytes, 4, scale, bias, y, n, col, 1);
+        return;
+    }
+    if (m == 2 && panels == 2) {
+        quant_tile(fmt, x, k, panel, panel_bytes, 2, scale, bias, y, n, col, 2);
+        return;
+    }
+    for (int p = 0; p < panels; p++) {
+        const uint8_t *pp = panel + p * panel_bytes;
+        const int64_t c = col + p * LINEAR_NR;
+        int64_t row = 0;
+        for (; row + 4 <= m; row += 4)
+            quant_tile(fmt, x + row * k, k, pp, panel_bytes, 1, scale, bias, y + row * n, n, c, 4);
+        const float *xr = x + row * k;
+        float *yr = y + row * n;
+        switch (m - row) {
+        case 3: quant_tile(fmt, xr, k, pp, panel_bytes, 1, scale, bias, yr, n, c, 3); break;
+        case 2: quant_tile(fmt, xr, k, pp, panel_bytes, 1, scale, bias, yr, n, c, 2); break;
+        case 1: quant_tile(fmt, xr, k, pp, panel_bytes, 1, scale, bias, yr, n, c, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* ---- scratch path: widen a whole panel to float32 [K][16] ---- */
+
+static inline __attribute__((always_inline)) void widen_panel(
+    int fmt, const uint8_t *panel, int64_t k, float *out)
+{
+    if (fmt == QUANT_INT8) {
+        for (int64_t kk = 0; kk < k; kk++)
+            widen_weights(fmt, panel, kk, NULL, (v8f *)(out + kk * LINEAR_NR),
+                          (v8f *)(out + kk * LINEAR_NR + 8));
+        return;
+    }
+    const int64_t stride = group_bytes(fmt);
+    for (int64_t g = 0; g < k / QUANT_BLOCK; g++) {
+        const uint8_t *group = panel + g * stride;
+        const group_scales s = load_scales(fmt, group);
+        const uint8_t *q = group + header_bytes(fmt);
+        float *o = out + g * QUANT_BLOCK * LINEAR_NR;
+        for (int64_t kk = 0; kk < QUANT_BLOCK; kk++)
+            widen_weights(fmt, q, kk, &s, (v8f *)(o + kk * LINEAR_NR),
+                          (v8f *)(o + kk * LINEAR_NR + 8));
+    }
+}
+
+static inline __attribute__((always_inline)) int quant_linear(
+    int fmt, const float *x, const uint8_t *packed, const float *scale, const float *bias,
+    float *y, int64_t m, int64_t n, int64_t k)
+{
+    const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR;
+    const int64_t panel_bytes = panel_bytes_of(fmt, k);
+    const int scratch = m >= QUANT_SCRATCH_MIN_ROWS;
+    /* Panels per unit of work: a decode tile's, or one. (Q4's unpacking
+     * leaves no room in the registers for a wider tile.) */
+    const int wide_tiles = fmt == QUANT_INT8 || fmt == QUANT_Q8_0;
+    const int64_t width = scratch || !wide_tiles ? 1 : m == 1 ? 4 : m == 2 ? 2 : 1;
+    const int64_t units = (panels + width - 1) / width;
+    int failed = 0;
+#pragma omp parallel if (m * n * k > PARALLEL_MIN_WORK)
+    {
+        float *wide = scratch ? malloc((size_t)(k * LINEAR_NR) * sizeof(float)) : NULL;
+        if (scratch && wide == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t first = u * width;
+            const uint8_t *panel = packed + first * panel_bytes;
+            const int64_t col = first * LINEAR_NR;
+            if (!scratch) {
+                const int count = (int)(panels - first < width ? panels - first : width);
+                quant_direct(fmt, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col);
+            } else if (wide != NULL) {
+                widen_panel(fmt, panel, k, wide);
+                linear_panel(x, m, k, wide, fmt == QUANT_INT8 ? scale : NULL, bias, y, n, col,
+                             n - col < LINEAR_NR ? n - col : LINEAR_NR);
+            }
+        }
+        free(wide);
+    }
+    return failed ? -1 : 0;
+}
+
+/* y[M, N] = x[M, K] . W^T (+ bias) for W packed as described above (scale: the
+ * int8 column scales, padded to whole panels). Returns -1 if scratch memory
+ * ran out. */
+int inflight_quant_linear(int64_t fmt, const float *x, const uint8_t *packed, const float *scale,
+                          const float *bias, float *y, int64_t m, int64_t n, int64_t k)
+{
+    switch (fmt) {  /* one instance per format, so each inner loop is specialised */
+    case QUANT_INT8: return quant_linear(QUANT_INT8, x, packed, scale, bias, y, m, n, k);
+    case QUANT_Q8_0: return quant_linear(QUANT_Q8_0, x, packed, scale, bias, y, m, n, k);
+    case QUANT_Q4_0: return quant_linear(QUANT_Q4_0, x, packed, scale, bias, y, m, n, k);
+    case QUANT_Q4_1: return quant_linear(QUANT_Q4_1, x, packed, scale, bias, y, m, n, k);
+    default: return -2;
+    }
+}
+
+/* out[t, :] = row ids[t] of W (an embedding table stored as the panels of the
+ * output layer it is tied to), each weight as the linear kernels compute it
+ * (int8 times its column's scale). */
+void inflight_quant_embedding(int64_t fmt, const int64_t *ids, int64_t num_tokens,
+                              const uint8_t *packed, const float *scale, float *out, int64_t k)
+{
+    const int64_t panel_bytes = panel_bytes_of(fmt, k);
+#pragma omp parallel for if (num_tokens * k > PARALLEL_MIN_WORK)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t id = ids[t], c = id % LINEAR_NR;
+        const uint8_t *panel = packed + id / LINEAR_NR * panel_bytes;
+        float *o = out + t * k;
+        if (fmt == QUANT_INT8) {
+            for (int64_t kk = 0; kk < k; kk++)
+                o[kk] = (float)(int8_t)panel[kk * LINEAR_NR + c] * scale[id];
+            continue;
+        }
+        for (int64_t g = 0; g < k / QUANT_BLOCK; g++) {
+            const uint8_t *group = panel + g * group_bytes((int)fmt);
+            const uint8_t *q = group + header_bytes((int)fmt);
+            uint16_t bits;
+            memcpy(&bits, group + 2 * c, 2);
+            const float d = half_to_float(bits);
+            float m = d * -8.0f;
+            if (fmt == QUANT_Q4_1) {
+                memcpy(&bits, group + 2 * (LINEAR_NR + c), 2);
+                m = half_to_float(bits);
+            }
+            for (int64_t kk = 0; kk < QUANT_BLOCK; kk++) {
+                float w;
+                if (fmt == QUANT_Q8_0) {
+                    w = (float)(int8_t)q[kk * LINEAR_NR + c] * d;
+                } else {
+                    const uint8_t byte = q[kk * (LINEAR_NR / 2) + c % 8];
+                    w = (float)(c < 8 ? byte & 15 : byte >> 4) * d + m;
+                }
+                o[g * QUANT_BLOCK + kk] = w;
+            }
+        }
+    }
+}
