@@ -280,10 +280,30 @@ static inline __attribute__((always_inline)) void widen_panel(
     }
 }
 
-static inline __attribute__((always_inline)) int quant_linear(
-    int fmt, const float *x, const uint8_t *packed, const float *scale, const float *bias,
-    float *y, int64_t m, int64_t n, int64_t k)
+/* One unit of work: `count` adjacent panels from column col, on the direct
+ * path, or one panel through the scratch panel `wide`. */
+static inline __attribute__((always_inline)) void quant_unit(
+    int fmt, const float *x, int64_t m, int64_t k, const uint8_t *panel, int64_t panel_bytes,
+    int count, const float *scale, const float *bias, float *y, int64_t n, int64_t col,
+    float *wide)
 {
+    if (wide == NULL) {
+        quant_direct(fmt, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col);
+        return;
+    }
+    widen_panel(fmt, panel, k, wide);
+    linear_panel(x, m, k, wide, fmt == QUANT_INT8 ? scale : NULL, bias, y, n, col,
+                 n - col < LINEAR_NR ? n - col : LINEAR_NR);
+}
+
+/* y[M, N] = x[M, K] . W^T (+ bias) for W packed as described above (scale: the
+ * int8 column scales, padded to whole panels). Returns -1 if scratch memory
+ * ran out. */
+int inflight_quant_linear(int64_t fmt, const float *x, const uint8_t *packed, const float *scale,
+                          const float *bias, float *y, int64_t m, int64_t n, int64_t k)
+{
+    if (fmt < QUANT_INT8 || fmt > QUANT_Q4_1)
+        return -2;
     const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR;
     const int64_t panel_bytes = panel_bytes_of(fmt, k);
     const int scratch = m >= QUANT_SCRATCH_MIN_ROWS;
@@ -295,43 +315,45 @@ static inline __attribute__((always_inline)) int quant_linear(
     int failed = 0;
 #pragma omp parallel if (m * n * k > PARALLEL_MIN_WORK)
     {
-        float *wide = scratch ? malloc((size_t)(k * LINEAR_NR) * sizeof(float)) : NULL;
+        /* Cache-line aligned: a vector load never straddles two lines. */
+        float *wide = scratch ? aligned_alloc(64, (size_t)(k * LINEAR_NR) * sizeof(float))
+                              : NULL;
         if (scratch && wide == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
+            if (scratch && wide == NULL)
+                continue;
             const int64_t first = u * width;
             const uint8_t *panel = packed + first * panel_bytes;
+            const int count = (int)(panels - first < width ? panels - first : width);
             const int64_t col = first * LINEAR_NR;
-            if (!scratch) {
-                const int count = (int)(panels - first < width ? panels - first : width);
-                quant_direct(fmt, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col);
-            } else if (wide != NULL) {
-                widen_panel(fmt, panel, k, wide);
-                linear_panel(x, m, k, wide, fmt == QUANT_INT8 ? scale : NULL, bias, y, n, col,
-                             n - col < LINEAR_NR ? n - col : LINEAR_NR);
+            /* A constant format in each case, so that each inner loop is
+             * specialised (OpenMP outlines this region before inlining). */
+            switch (fmt) {
+            case QUANT_INT8:
+                quant_unit(QUANT_INT8, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col,
+                           wide);
+                break;
+            case QUANT_Q8_0:
+                quant_unit(QUANT_Q8_0, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col,
+                           wide);
+                break;
+            case QUANT_Q4_0:
+                quant_unit(QUANT_Q4_0, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col,
+                           wide);
+                break;
+            default:
+                quant_unit(QUANT_Q4_1, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col,
+                           wide);
+                break;
             }
         }
         free(wide);
     }
     return failed ? -1 : 0;
-}
-
-/* y[M, N] = x[M, K] . W^T (+ bias) for W packed as described above (scale: the
- * int8 column scales, padded to whole panels). Returns -1 if scratch memory
- * ran out. */
-int inflight_quant_linear(int64_t fmt, const float *x, const uint8_t *packed, const float *scale,
-                          const float *bias, float *y, int64_t m, int64_t n, int64_t k)
-{
-    switch (fmt) {  /* one instance per format, so each inner loop is specialised */
-    case QUANT_INT8: return quant_linear(QUANT_INT8, x, packed, scale, bias, y, m, n, k);
-    case QUANT_Q8_0: return quant_linear(QUANT_Q8_0, x, packed, scale, bias, y, m, n, k);
-    case QUANT_Q4_0: return quant_linear(QUANT_Q4_0, x, packed, scale, bias, y, m, n, k);
-    case QUANT_Q4_1: return quant_linear(QUANT_Q4_1, x, packed, scale, bias, y, m, n, k);
-    default: return -2;
-    }
 }
 
 /* out[t, :] = row ids[t] of W (an embedding table stored as the panels of the
