@@ -91,28 +91,32 @@ def test_cpu_backend_matches_the_reference(ops, heads, kv_heads, dim, window):
         assert torch.allclose(ref, got, atol=2e-5)
 
 
-def test_a_run_of_query_tokens_attends_as_its_decodes_would(ops):
-    """A verified run of drafts gets, bit for bit, the attention its tokens would
-    get decoded one per step: the speculative outputs' exactness rests on it."""
-    heads, kv_heads, dim, block_size, context, run = 9, 3, 64, 16, 37, 6
+@pytest.mark.parametrize("context, run, window", [(37, 6, None), (0, 45, None), (21, 30, None),
+                                                 (40, 12, 19)])
+def test_a_run_of_query_tokens_attends_as_its_decodes_would(ops, context, run, window):
+    """A verified run of drafts, or a prompt chunk (tiled with its neighbours,
+    across block boundaries), gets bit for bit the attention its tokens would
+    get decoded one per step: the speculative outputs' exactness and batch
+    invariance under any chunking rest on it."""
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
     rng = torch.Generator().manual_seed(0)
     qkv = torch.randn(run, (heads + 2 * kv_heads) * dim, generator=rng)
     q = qkv[:, :heads * dim].view(run, heads, dim)
     k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(run, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim:].view(run, kv_heads, dim)
     cache = tuple(torch.randn(kv_heads, 8, block_size, dim, generator=rng) for _ in range(2))
-    table = np.array([[5, 2, 7, 0]], np.int64)
+    table = np.array([[5, 2, 7, 0, 3]], np.int64)
     positions = np.arange(context, context + run)
     slots = table[0, positions // block_size] * block_size + positions % block_size
     backend = CpuPagedBackend(ops)
     together = backend.forward(
         q, k, v, cache, backend.build_metadata(BatchLayout(
             np.array([0, run]), np.array([context]), np.array([context + run]), table, slots,
-            block_size), torch.device("cpu")), scale=dim ** -0.5, sliding_window=None)
+            block_size), torch.device("cpu")), scale=dim ** -0.5, sliding_window=window)
     for i in range(run):
         alone = backend.forward(
             q[i:i + 1], k[i:i + 1], v[i:i + 1], cache, backend.build_metadata(BatchLayout(
                 np.array([0, 1]), np.array([context + i]), np.array([context + i + 1]), table,
                 slots[i:i + 1], block_size), torch.device("cpu")),
-            scale=dim ** -0.5, sliding_window=None)
+            scale=dim ** -0.5, sliding_window=window)
         assert torch.equal(alone[0], together[i])

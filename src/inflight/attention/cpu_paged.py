@@ -1,8 +1,9 @@
-"""The CPU backend: the reference backend with the cache writes and the decode
-attention done by C kernels, which read K/V in place in the cache blocks
-(float32 only). Short runs of query tokens (verified drafts) go through the
-decode kernel token by token, so a drafted token's attention is computed exactly
-as its plain decode would be."""
+"""The CPU backend (float32): the reference backend's cache layout, with the
+cache writes and all of attention in C kernels that read K/V in place in the
+cache blocks. Every query token of a step (a decode, a verified draft, a token
+of a prompt chunk) is attended on its own over the keys up to its position, so
+its attention is the same bits however the scheduler split its prompt, whatever
+else is in the batch, and whether it was drafted or decoded."""
 
 from __future__ import annotations
 
@@ -17,31 +18,33 @@ from inflight.ops.cpu_ops import CpuOps
 
 
 @dataclass
-class _KernelDecodes:
-    rows: np.ndarray          # [Bd] int64 token rows of the decodes
-    block_table: np.ndarray   # [Bd, max_blocks] int64, contiguous
-    seq_lens: np.ndarray      # [Bd] int64
+class CpuPagedMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    block_table: np.ndarray     # [B, blocks used] int64, contiguous
+    row_tables: np.ndarray      # [T] int64: each token's request (its row of block_table)
+    seq_lens: np.ndarray        # [T] int64: the keys each token sees (its position + 1)
 
 
 class CpuPagedBackend(TorchPagedBackend):
-    max_decode_query_len = 16
-
     def __init__(self, ops: CpuOps) -> None:
         self.ops = ops
 
-    def _decode_metadata(self, layout: BatchLayout, owner: np.ndarray, tokens: np.ndarray,
-                         seq_lens: np.ndarray, device: torch.device) -> _KernelDecodes:
-        num_blocks = int(-(-seq_lens.max() // layout.block_size))
-        return _KernelDecodes(np.ascontiguousarray(tokens),
-                              np.ascontiguousarray(layout.block_table[owner, :num_blocks]),
-                              np.ascontiguousarray(seq_lens))
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> CpuPagedMetadata:
+        query_lens = layout.query_lens
+        owner = np.repeat(np.arange(len(query_lens), dtype=np.int64), query_lens)
+        offset = np.arange(len(owner), dtype=np.int64) - layout.query_start_loc[owner]
+        seq_lens = layout.context_lens[owner] + offset + 1
+        num_blocks = int(-(-layout.seq_lens.max() // layout.block_size))
+        return CpuPagedMetadata(torch.from_numpy(layout.slot_mapping),
+                                np.ascontiguousarray(layout.block_table[:, :num_blocks]),
+                                owner, seq_lens)
 
-    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        self.ops.write_kv(k, v, k_cache, v_cache, slots)
-
-    def _attend_decodes(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, decodes: _KernelDecodes, scale: float,
-                        window: int | None) -> None:
-        self.ops.decode_attention(q, out, k_cache, v_cache, decodes.rows, decodes.block_table,
-                                  decodes.seq_lens, scale, window)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: CpuPagedMetadata, *,
+                scale: float, sliding_window: int | None) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        self.ops.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        self.ops.decode_attention(q, out, k_cache, v_cache, None, metadata.block_table,
+                                  metadata.row_tables, metadata.seq_lens, scale, sliding_window)
+        return out

@@ -38,7 +38,7 @@ _SIGNATURES = {
     "inflight_decode_attention_f32": (ctypes.c_int, [
         _ptr, _i64, _ptr, _i64, _ptr, _i64,  # q, q_stride, out, out_stride, rows, num_seqs
         _ptr, _ptr, _i64, _i64,         # k_cache, v_cache, num_blocks, block_size
-        _ptr, _i64, _ptr,               # block_tables, max_blocks, seq_lens
+        _ptr, _ptr, _i64, _ptr,         # block_tables, row_tables, max_blocks, seq_lens
         _i64, _i64, _i64, _f32, _i64]),  # heads, kv heads, head_dim, scale, window
     "inflight_pack_weight_f32": (None, [_ptr, _ptr, _i64, _i64]),
     "inflight_linear_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
@@ -164,17 +164,24 @@ class CpuOps(TorchOps):
                        num_blocks * block_size, head_dim)
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, rows: np.ndarray, block_table: np.ndarray,
-                         seq_lens: np.ndarray, scale: float, window: int | None) -> None:
-        """Attention of one query token per sequence (row ``rows[s]`` of ``q``
-        ``[T, heads, head_dim]``, rows may be strided) into the same rows of ``out``
-        ``[T, heads * head_dim]``."""
+                         v_cache: torch.Tensor, rows: np.ndarray | None, block_table: np.ndarray,
+                         row_tables: np.ndarray | None, seq_lens: np.ndarray, scale: float,
+                         window: int | None) -> None:
+        """Attention of query token ``s`` (row ``rows[s]`` of q ``[T, heads,
+        head_dim]``, rows may be strided; None: row s) over the first
+        ``seq_lens[s]`` positions of the sequence whose blocks are
+        ``block_table[row_tables[s]]`` (None: ``block_table[s]``), into the same
+        row of ``out`` ``[T, heads * head_dim]``."""
         num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim
         status = self._attention(
-            q.data_ptr(), q.stride(0), out.data_ptr(), out.shape[1], rows.ctypes.data, len(rows),
-            k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
-            block_table.ctypes.data, block_table.shape[1], seq_lens.ctypes.data,
-            out.shape[1] // head_dim, num_kv_heads, head_dim, scale, window or 0)
+            q.data_ptr(), q.stride(0), out.data_ptr(), out.shape[1],
+            None if rows is None else rows.ctypes.data, len(seq_lens), k_cache.data_ptr(),
+            v_cache.data_ptr(), num_blocks, block_size, block_table.ctypes.data,
+            None if row_tables is None else row_tables.ctypes.data, block_table.shape[1],
+            seq_lens.ctypes.data, out.shape[1] // head_dim, num_kv_heads, head_dim, scale,
+            window or 0)
+        if status == -2:
+            raise ValueError("the CPU attention kernel takes at most 16 query heads per KV head")
         if status != 0:
-            raise MemoryError("the decode attention kernel could not allocate its scores")
+            raise MemoryError("the attention kernel could not allocate its scores")

@@ -34,7 +34,8 @@ static inline float exp_nonpositive(float x)
 }
 
 /* scores[i * stride] = scale * q . k_i for `count` keys `head_dim` floats apart.
- * Eight keys at a time keep eight independent multiply-add chains in flight. */
+ * Eight keys at a time keep eight independent multiply-add chains in flight;
+ * each key's dot product is computed the same way wherever it falls. */
 static inline __attribute__((always_inline)) void dot_keys(
     const float *q, const float *k, int64_t count, int64_t head_dim, float scale,
     float *scores, int64_t stride)
@@ -51,6 +52,15 @@ static inline __attribute__((always_inline)) void dot_keys(
             }
             for (int j = 0; j < 8; j++)
                 scores[(i + j) * stride] = hsum8(a[j]) * scale;
+        }
+        /* The rest one key at a time, with the same arithmetic per key: a
+         * key's score never depends on how many keys were asked for. */
+        for (; i < count; i++) {
+            const float *ki = k + i * head_dim;
+            v8f a = {0};
+            for (int64_t d = 0; d < head_dim; d += 8)
+                a += *(const v8f *)(q + d) * *(const v8f *)(ki + d);
+            scores[i * stride] = hsum8(a) * scale;
         }
     }
     for (; i < count; i++) {
@@ -100,126 +110,172 @@ static inline void prefetch_block(const float *block, int64_t floats)
         __builtin_prefetch(block + i);
 }
 
-/* One (sequence, KV head) of decode attention; see below. `scores` holds n *
- * group floats, key-major so that a block's keys are adjacent. Inlined with a
- * constant head_dim for the common sizes, so the vector loops fully unroll. */
-static inline __attribute__((always_inline)) void attend_one(
-    const float *qh, float *oh, const float *kh, const float *vh, const int64_t *table,
-    int64_t first, int64_t len, int64_t block_size, int64_t block_stride, int64_t group,
-    int64_t head_dim, float scale, float *scores)
-{
-    const int64_t n = len - first;
-    const int64_t first_block = first / block_size;
-    const int64_t last_block = (len - 1) / block_size;
+/* Queries attended together: consecutive tokens of one sequence share each
+ * K/V block load (a prompt chunk, a run of drafts). */
+#define ATTENTION_TILE 8
 
-    for (int64_t b = first_block, i = 0; b <= last_block; b++) {
-        const int64_t lo = b == first_block ? first - b * block_size : 0;
-        const int64_t hi = b == last_block ? len - b * block_size : block_size;
+/* Tile of `count` query tokens x `group` heads of one sequence against one KV
+ * head. Query i (rows qrow[i]) sees keys first[i] .. lens[i] - 1. Every
+ * query's scores, softmax and weighted sum of values are computed in the same
+ * order as they would be alone (a tile of one), so results do not depend on
+ * the tiling. `scores` holds count * group * span floats, span = lens[count-1]
+ * - first[0]: one row per (query, head). Inlined with a constant head_dim for
+ * the common sizes, so the vector loops fully unroll. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const float *const *qh, float *const *oh, const int64_t *first, const int64_t *lens,
+    int count, const float *kh, const float *vh, const int64_t *table, int64_t block_size,
+    int64_t block_stride, int64_t group, int64_t head_dim, float scale, float *scores)
+{
+    const int64_t lo_all = first[0], hi_all = lens[count - 1], span = hi_all - lo_all;
+    const int64_t first_block = lo_all / block_size, last_block = (hi_all - 1) / block_size;
+
+    /* scores of each (query, head) for the keys it sees, in its own row */
+    for (int64_t b = first_block; b <= last_block; b++) {
+        const int64_t base = b * block_size;
         if (b < last_block)
             prefetch_block(kh + table[b + 1] * block_stride, block_stride);
-        const float *kb = kh + table[b] * block_stride + lo * head_dim;
-        for (int64_t g = 0; g < group; g++)
-            dot_keys(qh + g * head_dim, kb, hi - lo, head_dim, scale, scores + i * group + g,
-                     group);
-        i += hi - lo;
+        const float *kb = kh + table[b] * block_stride;
+        for (int i = 0; i < count; i++) {
+            const int64_t lo = first[i] > base ? first[i] : base;
+            const int64_t hi = lens[i] < base + block_size ? lens[i] : base + block_size;
+            if (hi <= lo)
+                continue;
+            for (int64_t g = 0; g < group; g++)
+                dot_keys(qh[i] + g * head_dim, kb + (lo - base) * head_dim, hi - lo, head_dim,
+                         scale, scores + (i * group + g) * span + (lo - lo_all), 1);
+        }
     }
-    float max[group], inv_sum[group];
-    for (int64_t g = 0; g < group; g++)
-        max[g] = -INFINITY;
-    for (int64_t t = 0; t < n; t++)
-        for (int64_t g = 0; g < group; g++)
-            max[g] = scores[t * group + g] > max[g] ? scores[t * group + g] : max[g];
-    for (int64_t t = 0; t < n; t++)
-        for (int64_t g = 0; g < group; g++)
-            scores[t * group + g] -= max[g];
+    float inv_sum[ATTENTION_TILE * 16];  /* group <= 16: checked by the caller */
+    for (int i = 0; i < count; i++) {
+        for (int64_t g = 0; g < group; g++) {
+            float *row = scores + (i * group + g) * span + (first[i] - lo_all);
+            const int64_t n = lens[i] - first[i];
+            float max = -INFINITY;
+            for (int64_t t = 0; t < n; t++)
+                max = row[t] > max ? row[t] : max;
 #pragma omp simd
-    for (int64_t t = 0; t < n * group; t++)
-        scores[t] = exp_nonpositive(scores[t]);
-    for (int64_t g = 0; g < group; g++) {
-        float sum = 0.0f;
-        for (int64_t t = 0; t < n; t++)
-            sum += scores[t * group + g];
-        inv_sum[g] = 1.0f / sum;
+            for (int64_t t = 0; t < n; t++)
+                row[t] = exp_nonpositive(row[t] - max);
+            float sum = 0.0f;
+            for (int64_t t = 0; t < n; t++)
+                sum += row[t];
+            inv_sum[i * group + g] = 1.0f / sum;
+            memset(oh[i] + g * head_dim, 0, (size_t)head_dim * sizeof(float));
+        }
     }
-    memset(oh, 0, (size_t)(group * head_dim) * sizeof(float));
-    for (int64_t b = first_block, i = 0; b <= last_block; b++) {
-        const int64_t lo = b == first_block ? first - b * block_size : 0;
-        const int64_t hi = b == last_block ? len - b * block_size : block_size;
+    for (int64_t b = first_block; b <= last_block; b++) {
+        const int64_t base = b * block_size;
         if (b < last_block)
             prefetch_block(vh + table[b + 1] * block_stride, block_stride);
-        const float *vb = vh + table[b] * block_stride + lo * head_dim;
-        for (int64_t g = 0; g < group; g++)
-            accumulate_values(scores + i * group + g, group, vb, hi - lo, head_dim,
-                              oh + g * head_dim);
-        i += hi - lo;
+        const float *vb = vh + table[b] * block_stride;
+        for (int i = 0; i < count; i++) {
+            const int64_t lo = first[i] > base ? first[i] : base;
+            const int64_t hi = lens[i] < base + block_size ? lens[i] : base + block_size;
+            if (hi <= lo)
+                continue;
+            for (int64_t g = 0; g < group; g++)
+                accumulate_values(scores + (i * group + g) * span + (lo - lo_all), 1,
+                                  vb + (lo - base) * head_dim, hi - lo, head_dim,
+                                  oh[i] + g * head_dim);
+        }
     }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t d = 0; d < head_dim; d++)
-            oh[g * head_dim + d] *= inv_sum[g];
+    for (int i = 0; i < count; i++)
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t d = 0; d < head_dim; d++)
+                oh[i][g * head_dim + d] *= inv_sum[i * group + g];
 }
 
-/* Decode attention over the paged KV cache.
+/* Attention of query tokens over the paged KV cache.
  *
- * Sequence s has one query token in row rows[s] of q (and of out), each row laid
+ * Query s is row rows[s] of q (and of out; rows NULL: row s), each row laid
  * out as [num_heads, head_dim] (rows q_stride and out_stride floats apart); it
- * attends to its first seq_lens[s] positions (the last `window` of them when
- * window > 0), whose K/V live in blocks block_tables[s, :] of k_cache/v_cache
- * [num_kv_heads, num_blocks, block_size, head_dim]. Query head j reads KV head
- * j / (num_heads / num_kv_heads). K and V are read in place, block by block:
- * nothing is gathered or padded. Returns -1 if scratch memory ran out.
+ * attends to the first seq_lens[s] positions of its sequence (the last `window`
+ * of them when window > 0), whose K/V live in blocks block_tables[t, :] of
+ * k_cache/v_cache [num_kv_heads, num_blocks, block_size, head_dim], t =
+ * row_tables[s] (NULL: s). Query head j reads KV head j / (num_heads /
+ * num_kv_heads). K and V are read in place, block by block: nothing is
+ * gathered or padded. A prompt's tokens are queries with increasing seq_lens
+ * (causal attention); up to ATTENTION_TILE consecutive ones of a sequence
+ * share each block load, and each is computed exactly as its decode would be.
+ * Returns -1 if scratch memory ran out, -2 for more than 16 query heads per
+ * KV head.
  */
 int inflight_decode_attention_f32(
     const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
     int64_t num_seqs, const float *k_cache, const float *v_cache, int64_t num_blocks,
-    int64_t block_size, const int64_t *block_tables, int64_t max_blocks,
-    const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window)
+    int64_t block_size, const int64_t *block_tables, const int64_t *row_tables,
+    int64_t max_blocks, const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, float scale, int64_t window)
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t head_stride = num_blocks * block_size * head_dim;
     const int64_t block_stride = block_size * head_dim;
+    if (group > 16)
+        return -2;
+    /* Tiles: runs of consecutive queries of one sequence, one key apart. */
+    int64_t *tile_start = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    if (tile_start == NULL)
+        return -1;
+    int64_t num_tiles = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t prev = s - 1;
+        const int joins = num_tiles > 0 && window <= 0 && s - tile_start[num_tiles - 1] <
+            ATTENTION_TILE && (row_tables ? row_tables[s] == row_tables[prev] : 0) &&
+            seq_lens[s] == seq_lens[prev] + 1;
+        if (!joins)
+            tile_start[num_tiles++] = s;
+    }
+    tile_start[num_tiles] = num_seqs;
     int failed = 0;
 
-#pragma omp parallel if (num_seqs * num_kv_heads > 1)
+#pragma omp parallel if (num_tiles * num_kv_heads > 1)
     {
-        float *scores = NULL;  /* [n, group]: key-major, so each block's keys are adjacent */
+        float *scores = NULL;
         int64_t capacity = 0;
 
 #pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t t = 0; t < num_tiles; t++) {
             for (int64_t h = 0; h < num_kv_heads; h++) {
-                const int64_t len = seq_lens[s];
-                const int64_t first = (window > 0 && len > window) ? len - window : 0;
-                const int64_t n = len - first;
-                if (n * group > capacity) {
-                    float *grown = realloc(scores, (size_t)(n * group) * sizeof(float));
+                const int64_t s0 = tile_start[t];
+                const int count = (int)(tile_start[t + 1] - s0);
+                const float *qh[ATTENTION_TILE];
+                float *oh[ATTENTION_TILE];
+                int64_t first[ATTENTION_TILE], lens[ATTENTION_TILE];
+                for (int i = 0; i < count; i++) {
+                    const int64_t row = rows ? rows[s0 + i] : s0 + i;
+                    lens[i] = seq_lens[s0 + i];
+                    first[i] = (window > 0 && lens[i] > window) ? lens[i] - window : 0;
+                    qh[i] = q + row * q_stride + h * group * head_dim;
+                    oh[i] = out + row * out_stride + h * group * head_dim;
+                }
+                const int64_t need = count * group * (lens[count - 1] - first[0]);
+                if (need > capacity) {
+                    float *grown = realloc(scores, (size_t)need * sizeof(float));
                     if (grown == NULL) {
 #pragma omp atomic write
                         failed = 1;
                         continue;
                     }
                     scores = grown;
-                    capacity = n * group;
+                    capacity = need;
                 }
-                const int64_t row = rows[s];
-                const float *qh = q + row * q_stride + h * group * head_dim;
-                float *oh = out + row * out_stride + h * group * head_dim;
-                const int64_t *table = block_tables + s * max_blocks;
+                const int64_t *table = block_tables + (row_tables ? row_tables[s0] : s0) * max_blocks;
                 const float *kh = k_cache + h * head_stride;
                 const float *vh = v_cache + h * head_stride;
                 if (head_dim == 64)
-                    attend_one(qh, oh, kh, vh, table, first, len, block_size, block_stride,
-                               group, 64, scale, scores);
+                    attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
+                                block_stride, group, 64, scale, scores);
                 else if (head_dim == 128)
-                    attend_one(qh, oh, kh, vh, table, first, len, block_size, block_stride,
-                               group, 128, scale, scores);
+                    attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
+                                block_stride, group, 128, scale, scores);
                 else
-                    attend_one(qh, oh, kh, vh, table, first, len, block_size, block_stride,
-                               group, head_dim, scale, scores);
+                    attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
+                                block_stride, group, head_dim, scale, scores);
             }
         }
         free(scores);
     }
+    free(tile_start);
     return failed ? -1 : 0;
 }
 
