@@ -120,3 +120,30 @@ def test_a_run_of_query_tokens_attends_as_its_decodes_would(ops, context, run, w
                 slots[i:i + 1], block_size), torch.device("cpu")),
             scale=dim ** -0.5, sliding_window=window)
         assert torch.equal(alone[0], together[i])
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "mistral-window"])
+def test_the_decoder_stack_in_one_call_matches_the_modules(tiny_model, name):
+    """The C decoder stack (one call per step) computes what the model's modules
+    compute through the same kernels one call at a time."""
+    from helpers import random_prompts
+
+    from inflight import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model(name)), kv_cache_memory="8MiB", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert model.fused_layers is not None
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 384, 3, 60, seed=1)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+
+    def run():
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return ([o.token_ids for o in outs],
+                [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
+
+    fused_tokens, fused_logprobs = run()
+    model.fused_layers = None
+    tokens, logprobs = run()
+    assert fused_tokens == tokens
+    np.testing.assert_allclose(np.array(fused_logprobs), np.array(logprobs), rtol=1e-5,
+                               atol=1e-5)

@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from inflight.engine.engine_core import EngineCore
@@ -16,6 +17,7 @@ from inflight.model.layers import Linear
 
 class StepProfiler:
     def __init__(self, device: torch.device) -> None:
+        self._fused: Any = None
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._sync: Callable[[], None] = (torch.cuda.synchronize if device.type == "cuda"
@@ -52,11 +54,19 @@ class StepProfiler:
         for module in runner.model.modules():
             if isinstance(module, Linear):
                 self.wrap(module, "forward", "linear layers")
+        # The decoder stack in one C call times its own stages.
+        self._fused = getattr(runner.model, "fused_layers", None)
+        if self._fused is not None:
+            self._fused.stage_seconds = np.zeros(3)
 
     def report(self) -> dict[str, float]:
         """Milliseconds per step by category; the model's own time is split into
         linear layers, attention and the rest (norms, rotary, activations)."""
         s = dict(self.seconds)
+        if self._fused is not None:
+            linear, attention, _ = self._fused.stage_seconds
+            s["linear layers"] = s.get("linear layers", 0.0) + linear
+            s["attention"] = s.get("attention", 0.0) + attention
         steps = max(1, self.calls["step"])
         model = s.get("model", 0.0)
         parts = {

@@ -1,8 +1,10 @@
-"""C kernels for float32 on the CPU (``csrc/cpu_kernels.c``, and the
+"""C kernels for float32 on the CPU (``csrc/cpu_kernels.c``; the
 weight-quantized linear layers of ``csrc/quant_kernels.c`` that ``ops.quant``
-wraps), compiled on first use with the machine's C compiler for this exact CPU,
-cached, and called through ctypes. There is no build step at install time: without a compiler, or if the
-build fails, ``load_library()`` returns None and the engine uses ``TorchOps``.
+wraps; the decoder stack in one call of ``csrc/layer_kernels.c`` that
+``model.cpu_layers`` drives), compiled on first use with the machine's C
+compiler for this exact CPU, cached, and called through ctypes. There is no
+build step at install time: without a compiler, or if the build fails,
+``load_library()`` returns None and the engine uses ``TorchOps``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from inflight.ops.torch_ops import TorchOps
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "cpu_kernels.c", CSRC / "quant_kernels.c"]
-HEADERS = [CSRC / "linear_kernel.h"]
+SOURCES = [CSRC / "cpu_kernels.c", CSRC / "quant_kernels.c", CSRC / "layer_kernels.c"]
+HEADERS = [CSRC / "kernels.h", CSRC / "linear_kernel.h"]
 LINEAR_PANEL = 16  # LINEAR_NR in the C source: output columns per packed weight panel
 # gnu11 rather than c11: ISO mode would forbid contracting a*b+c into one FMA.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared",
@@ -50,6 +52,7 @@ _SIGNATURES = {
     "inflight_quant_linear": (ctypes.c_int, [_i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                                              _i64]),
     "inflight_quant_embedding": (None, [_i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64]),
+    "inflight_decoder_layers_f32": (ctypes.c_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr]),
 }
 
 

@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 
 from inflight.attention.backend import AttentionBackend
+from inflight.attention.cpu_paged import CpuPagedBackend
 from inflight.config import EngineConfig
 from inflight.model.config import ModelConfig
+from inflight.model.cpu_layers import CpuDecoderLayers
 from inflight.model.layers import pack_linear_weights
 from inflight.model.loader import gguf_file, iter_safetensors
 from inflight.model.quantize import (load_gguf_blocks, quantize_weights, read_gguf_weights,
@@ -107,6 +109,8 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
         _load_weights(model, config, model_dir, dtype, ops)
         if ops.packs_weights:
             pack_linear_weights(model, ops)
+        if isinstance(ops, CpuOps) and isinstance(backend, CpuPagedBackend):
+            model.fused_layers = CpuDecoderLayers(load_library(), model)
     resident = weight_bytes(model)
     logger.info("weights: %.1f MiB (%s)", resident / 2**20,
                 config.quantization or str(dtype).removeprefix("torch."))

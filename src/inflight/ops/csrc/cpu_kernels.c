@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "linear_kernel.h"
 
 /* exp(x) for x <= 0 (softmax numerators), relative error below 2e-7. Plain

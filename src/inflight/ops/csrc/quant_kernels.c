@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "linear_kernel.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
