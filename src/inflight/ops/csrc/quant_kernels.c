@@ -308,10 +308,8 @@ int inflight_quant_linear(int64_t fmt, const float *x, const uint8_t *packed, co
     const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR;
     const int64_t panel_bytes = panel_bytes_of(fmt, k);
     const int scratch = m >= QUANT_SCRATCH_MIN_ROWS;
-    /* Panels per unit of work: a decode tile's, or one. (Q4's unpacking
-     * leaves no room in the registers for a wider tile.) */
-    const int wide_tiles = fmt == QUANT_INT8 || fmt == QUANT_Q8_0;
-    const int64_t width = scratch || !wide_tiles ? 1 : m == 1 ? 4 : m == 2 ? 2 : 1;
+    /* Panels per unit of work: a decode tile's, or one. */
+    const int64_t width = scratch ? 1 : m == 1 ? 4 : m == 2 ? 2 : 1;
     const int64_t units = (panels + width - 1) / width;
     int failed = 0;
 #pragma omp parallel if (m * n * k > PARALLEL_MIN_WORK)
