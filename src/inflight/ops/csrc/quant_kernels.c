@@ -9,17 +9,23 @@
  *   Q4_1: w = d * q + m,    q in 0..15
  *
  * Weights are repacked at load (not dequantized) into panels of LINEAR_NR = 16
- * output columns, so that the register-blocked microkernel of the float32 path
- * reads them as it reads a float32 panel, widening each k's 16 weights to two
- * float vectors in registers. int8 panels are [K][16] int8. A GGUF panel is a
- * run of groups, one per block of 32 k: the 16 columns' d (float16), for Q4_1
- * their 16 m, then the quants: Q8_0 [32][16] int8; Q4_0 and Q4_1 [32][8] bytes,
- * byte j holding column j in its low nibble and column j + 8 in its high one.
+ * output columns, like the float32 path's: int8 panels are [K][16] int8. A
+ * GGUF panel is a run of groups, one per block of 32 k: the 16 columns' d
+ * (float16), for Q4_1 their 16 m, then the quants: Q8_0 [32][16] int8; Q4_0
+ * and Q4_1 [32][8] bytes, byte j holding column j in its low nibble and column
+ * j + 8 in its high one.
  *
- * Few rows (decode) read the panel once and widen in registers; many rows
- * (prompt chunks) widen each panel once into a float32 scratch panel and run
- * the float32 microkernel over it. Both compute each weight and each output's
- * sum over k identically, so results do not depend on the path or the batch.
+ * Each k's 16 quants are widened to two float vectors in registers and
+ * multiplied by x unscaled; the scales apply to sums. int8: y = scale *
+ * sum_k x q. GGUF: per block, t = sum_k x q over its 32 k, then y += d * t +
+ * m * sum_k x (m: Q4_1's minimum, -8 d for Q4_0, none for Q8_0), which leaves
+ * two multiply-adds per k instead of four.
+ *
+ * Few rows (decode) read the panel once, in tiles of rows x panels that keep
+ * enough independent sums in flight; many rows (prompt chunks) widen each
+ * panel once into a float32 scratch panel and run a register-blocked kernel
+ * over it. Both compute each output in the same order, so results do not
+ * depend on the path or the batch.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -130,7 +136,7 @@ static inline int64_t panel_bytes_of(int64_t fmt, int64_t k)
 }
 
 /* A group's scales for the panel's 16 columns (d0/m0 columns 0-7, d1/m1 8-15);
- * m is the offset added after scaling (Q4_0: -8 d, exactly). */
+ * m multiplies the block's sum of x (Q4_0: -8 d, exactly; Q8_0: unused). */
 typedef struct { v8f d0, d1, m0, m1; } group_scales;
 
 static inline __attribute__((always_inline)) group_scales load_scales(int fmt, const uint8_t *g)
@@ -148,71 +154,52 @@ static inline __attribute__((always_inline)) group_scales load_scales(int fmt, c
     return s;
 }
 
-/* The 16 weights of row kk of a group's quants (or of an int8 panel, where
- * they stay unscaled: the column scale applies to the sum). */
-static inline __attribute__((always_inline)) void widen_weights(
-    int fmt, const uint8_t *q, int64_t kk, const group_scales *s, v8f *w0, v8f *w1)
+/* The 16 quants of row kk (of a group's quants, or of an int8 panel) as floats. */
+static inline __attribute__((always_inline)) void widen_quants(
+    int fmt, const uint8_t *q, int64_t kk, v8f *w0, v8f *w1)
 {
     if (fmt == QUANT_INT8 || fmt == QUANT_Q8_0) {
         *w0 = to_float(widen_s8(q + kk * LINEAR_NR));
         *w1 = to_float(widen_s8(q + kk * LINEAR_NR + 8));
-        if (fmt == QUANT_Q8_0) {
-            *w0 *= s->d0;
-            *w1 *= s->d1;
-        }
     } else {
         const v8i v = widen_u8(q + kk * (LINEAR_NR / 2));
-        *w0 = to_float(v & 15) * s->d0 + s->m0;
-        *w1 = to_float(v >> 4) * s->d1 + s->m1;
+        *w0 = to_float(v & 15);
+        *w1 = to_float(v >> 4);
     }
 }
 
-/* ---- direct path: a tile of rows x panels, read once ----
- *
- * Each output's sum over k is one chain of FMAs, so a tile needs several
- * outputs in flight to hide the FMA latency: with one or two rows (decode), a
- * tile spans four or two panels. Every output is still summed in k order, the
- * same whatever the tile. */
+/* acc += d * t (+ m * xsum): a block's sums into an output row's. */
+static inline __attribute__((always_inline)) void add_block(
+    int fmt, v8f acc[2], const v8f t[2], const group_scales *s, float xsum)
+{
+    acc[0] += t[0] * s->d0;
+    acc[1] += t[1] * s->d1;
+    if (fmt != QUANT_Q8_0) {
+        acc[0] += s->m0 * xsum;
+        acc[1] += s->m1 * xsum;
+    }
+}
+
+/* ---- direct path: a tile of rows x panels, read once ---- */
 
 #define QUANT_TILE 4  /* rows x panels of a tile, at most */
 
-static inline __attribute__((always_inline)) void quant_tile(
-    int fmt, const float *x, int64_t k, const uint8_t *panel, int64_t panel_bytes, int panels,
+/* int8: `rows` rows against `panels` adjacent panels (rows * panels <= 4). */
+static inline __attribute__((always_inline)) void int8_tile(
+    const float *x, int64_t k, const uint8_t *panel, int64_t panel_bytes, int panels,
     const float *scale, const float *bias, float *y, int64_t n, int64_t col, int rows)
 {
     v8f acc[QUANT_TILE][2];  /* row r, panel p at r * panels + p */
-    for (int t = 0; t < QUANT_TILE; t++)
-        acc[t][0] = acc[t][1] = (v8f){0};
-    if (fmt == QUANT_INT8) {
-        for (int64_t kk = 0; kk < k; kk++) {
-            for (int p = 0; p < panels; p++) {
-                v8f w0, w1;
-                widen_weights(fmt, panel + p * panel_bytes, kk, NULL, &w0, &w1);
-                for (int r = 0; r < rows; r++) {
-                    const float xv = x[r * k + kk];
-                    acc[r * panels + p][0] += xv * w0;
-                    acc[r * panels + p][1] += xv * w1;
-                }
-            }
-        }
-    } else {
-        const int64_t stride = group_bytes(fmt);
-        for (int64_t g = 0; g < k / QUANT_BLOCK; g++) {
-            group_scales s[QUANT_TILE];
-            for (int p = 0; p < panels; p++)
-                s[p] = load_scales(fmt, panel + p * panel_bytes + g * stride);
-            const float *xg = x + g * QUANT_BLOCK;
-            for (int64_t kk = 0; kk < QUANT_BLOCK; kk++) {
-                for (int p = 0; p < panels; p++) {
-                    v8f w0, w1;
-                    widen_weights(fmt, panel + p * panel_bytes + g * stride + header_bytes(fmt),
-                                  kk, &s[p], &w0, &w1);
-                    for (int r = 0; r < rows; r++) {
-                        const float xv = xg[r * k + kk];
-                        acc[r * panels + p][0] += xv * w0;
-                        acc[r * panels + p][1] += xv * w1;
-                    }
-                }
+    for (int i = 0; i < QUANT_TILE; i++)
+        acc[i][0] = acc[i][1] = (v8f){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        for (int p = 0; p < panels; p++) {
+            v8f w0, w1;
+            widen_quants(QUANT_INT8, panel + p * panel_bytes, kk, &w0, &w1);
+            for (int r = 0; r < rows; r++) {
+                const float xv = x[r * k + kk];
+                acc[r * panels + p][0] += xv * w0;
+                acc[r * panels + p][1] += xv * w1;
             }
         }
     }
@@ -223,78 +210,184 @@ static inline __attribute__((always_inline)) void quant_tile(
             out[r][1] = acc[r * panels + p][1];
         }
         const int64_t c = col + p * LINEAR_NR;
-        store_block(out, rows, fmt == QUANT_INT8 ? scale : NULL, bias, y, n, c,
-                    n - c < LINEAR_NR ? n - c : LINEAR_NR);
+        store_block(out, rows, scale, bias, y, n, c, n - c < LINEAR_NR ? n - c : LINEAR_NR);
     }
 }
 
-/* All m (< QUANT_SCRATCH_MIN_ROWS) rows against `panels` adjacent panels. */
-static inline __attribute__((always_inline)) void quant_direct(
-    int fmt, const float *x, int64_t m, int64_t k, const uint8_t *panel, int64_t panel_bytes,
-    int panels, const float *scale, const float *bias, float *y, int64_t n, int64_t col)
+/* GGUF: `rows` rows against `panels` adjacent panels (rows * panels <= 3);
+ * xsum[r * groups + g]: row r's sum of x over block g. */
+#define GGUF_TILE 3
+
+static inline __attribute__((always_inline)) void gguf_tile(
+    int fmt, const float *x, int64_t k, const float *xsum, const uint8_t *panel,
+    int64_t panel_bytes, int panels, const float *bias, float *y, int64_t n, int64_t col,
+    int rows)
 {
-    if (m == 1 && panels == 4) {
-        quant_tile(fmt, x, k, panel, panel_bytes, 4, scale, bias, y, n, col, 1);
-        return;
-    }
-    if (m == 2 && panels == 2) {
-        quant_tile(fmt, x, k, panel, panel_bytes, 2, scale, bias, y, n, col, 2);
-        return;
-    }
-    for (int p = 0; p < panels; p++) {
-        const uint8_t *pp = panel + p * panel_bytes;
-        const int64_t c = col + p * LINEAR_NR;
-        int64_t row = 0;
-        for (; row + 4 <= m; row += 4)
-            quant_tile(fmt, x + row * k, k, pp, panel_bytes, 1, scale, bias, y + row * n, n, c, 4);
-        const float *xr = x + row * k;
-        float *yr = y + row * n;
-        switch (m - row) {
-        case 3: quant_tile(fmt, xr, k, pp, panel_bytes, 1, scale, bias, yr, n, c, 3); break;
-        case 2: quant_tile(fmt, xr, k, pp, panel_bytes, 1, scale, bias, yr, n, c, 2); break;
-        case 1: quant_tile(fmt, xr, k, pp, panel_bytes, 1, scale, bias, yr, n, c, 1); break;
-        default: break;
+    const int64_t groups = k / QUANT_BLOCK, stride = group_bytes(fmt);
+    v8f acc[GGUF_TILE][2];  /* row r, panel p at r * panels + p */
+    for (int i = 0; i < GGUF_TILE; i++)
+        acc[i][0] = acc[i][1] = (v8f){0};
+    for (int64_t g = 0; g < groups; g++) {
+        v8f t[GGUF_TILE][2];
+        for (int i = 0; i < GGUF_TILE; i++)
+            t[i][0] = t[i][1] = (v8f){0};
+        const float *xg = x + g * QUANT_BLOCK;
+        for (int64_t kk = 0; kk < QUANT_BLOCK; kk++) {
+            for (int p = 0; p < panels; p++) {
+                v8f w0, w1;
+                widen_quants(fmt, panel + p * panel_bytes + g * stride + header_bytes(fmt), kk,
+                             &w0, &w1);
+                for (int r = 0; r < rows; r++) {
+                    const float xv = xg[r * k + kk];
+                    t[r * panels + p][0] += xv * w0;
+                    t[r * panels + p][1] += xv * w1;
+                }
+            }
+        }
+        for (int p = 0; p < panels; p++) {
+            const group_scales s = load_scales(fmt, panel + p * panel_bytes + g * stride);
+            for (int r = 0; r < rows; r++)
+                add_block(fmt, acc[r * panels + p], t[r * panels + p], &s,
+                          xsum[r * groups + g]);
         }
     }
+    for (int p = 0; p < panels; p++) {
+        v8f out[GGUF_TILE][2];
+        for (int r = 0; r < rows; r++) {
+            out[r][0] = acc[r * panels + p][0];
+            out[r][1] = acc[r * panels + p][1];
+        }
+        const int64_t c = col + p * LINEAR_NR;
+        store_block(out, rows, NULL, bias, y, n, c, n - c < LINEAR_NR ? n - c : LINEAR_NR);
+    }
 }
 
-/* ---- scratch path: widen a whole panel to float32 [K][16] ---- */
+/* ---- scratch path: a panel's quants widened once to float32 [K][16] ---- */
 
 static inline __attribute__((always_inline)) void widen_panel(
     int fmt, const uint8_t *panel, int64_t k, float *out)
 {
     if (fmt == QUANT_INT8) {
         for (int64_t kk = 0; kk < k; kk++)
-            widen_weights(fmt, panel, kk, NULL, (v8f *)(out + kk * LINEAR_NR),
-                          (v8f *)(out + kk * LINEAR_NR + 8));
+            widen_quants(fmt, panel, kk, (v8f *)(out + kk * LINEAR_NR),
+                         (v8f *)(out + kk * LINEAR_NR + 8));
         return;
     }
     const int64_t stride = group_bytes(fmt);
     for (int64_t g = 0; g < k / QUANT_BLOCK; g++) {
-        const uint8_t *group = panel + g * stride;
-        const group_scales s = load_scales(fmt, group);
-        const uint8_t *q = group + header_bytes(fmt);
+        const uint8_t *q = panel + g * stride + header_bytes(fmt);
         float *o = out + g * QUANT_BLOCK * LINEAR_NR;
         for (int64_t kk = 0; kk < QUANT_BLOCK; kk++)
-            widen_weights(fmt, q, kk, &s, (v8f *)(o + kk * LINEAR_NR),
-                          (v8f *)(o + kk * LINEAR_NR + 8));
+            widen_quants(fmt, q, kk, (v8f *)(o + kk * LINEAR_NR), (v8f *)(o + kk * LINEAR_NR + 8));
     }
 }
 
-/* One unit of work: `count` adjacent panels from column col, on the direct
+/* GGUF rows against a widened panel: gguf_tile's arithmetic, quants from
+ * `wide`, up to GGUF_TILE rows at a time. */
+static inline __attribute__((always_inline)) void gguf_wide_block(
+    int fmt, const float *x, int64_t k, const float *xsum, const float *wide,
+    const uint8_t *panel, const float *bias, float *y, int64_t n, int64_t col, int64_t cols,
+    int rows)
+{
+    const int64_t groups = k / QUANT_BLOCK, stride = group_bytes(fmt);
+    v8f acc[GGUF_TILE][2];
+    for (int i = 0; i < GGUF_TILE; i++)
+        acc[i][0] = acc[i][1] = (v8f){0};
+    for (int64_t g = 0; g < groups; g++) {
+        v8f t[GGUF_TILE][2];
+        for (int i = 0; i < GGUF_TILE; i++)
+            t[i][0] = t[i][1] = (v8f){0};
+        const float *xg = x + g * QUANT_BLOCK;
+        const float *wg = wide + g * QUANT_BLOCK * LINEAR_NR;
+        for (int64_t kk = 0; kk < QUANT_BLOCK; kk++) {
+            const v8f w0 = *(const v8f *)(wg + kk * LINEAR_NR);
+            const v8f w1 = *(const v8f *)(wg + kk * LINEAR_NR + 8);
+            for (int r = 0; r < rows; r++) {
+                const float xv = xg[r * k + kk];
+                t[r][0] += xv * w0;
+                t[r][1] += xv * w1;
+            }
+        }
+        const group_scales s = load_scales(fmt, panel + g * stride);
+        for (int r = 0; r < rows; r++)
+            add_block(fmt, acc[r], t[r], &s, xsum[r * groups + g]);
+    }
+    store_block(acc, rows, NULL, bias, y, n, col, cols);
+}
+
+/* One unit of work: `count` adjacent panels from column col on the direct
  * path, or one panel through the scratch panel `wide`. */
 static inline __attribute__((always_inline)) void quant_unit(
-    int fmt, const float *x, int64_t m, int64_t k, const uint8_t *panel, int64_t panel_bytes,
-    int count, const float *scale, const float *bias, float *y, int64_t n, int64_t col,
-    float *wide)
+    int fmt, const float *x, const float *xsum, int64_t m, int64_t k, const uint8_t *panel,
+    int64_t panel_bytes, int count, const float *scale, const float *bias, float *y, int64_t n,
+    int64_t col, float *wide)
 {
-    if (wide == NULL) {
-        quant_direct(fmt, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col);
+    const int64_t groups = k / QUANT_BLOCK;
+    if (wide != NULL) {
+        widen_panel(fmt, panel, k, wide);
+        const int64_t cols = n - col < LINEAR_NR ? n - col : LINEAR_NR;
+        if (fmt == QUANT_INT8) {
+            linear_panel(x, m, k, wide, scale, bias, y, n, col, cols);
+            return;
+        }
+        int64_t row = 0;
+        for (; row + GGUF_TILE <= m; row += GGUF_TILE)
+            gguf_wide_block(fmt, x + row * k, k, xsum + row * groups, wide, panel, bias,
+                            y + row * n, n, col, cols, GGUF_TILE);
+        const float *xr = x + row * k, *sr = xsum + row * groups;
+        float *yr = y + row * n;
+        switch (m - row) {  /* constant row counts, so each tail is unrolled too */
+        case 2: gguf_wide_block(fmt, xr, k, sr, wide, panel, bias, yr, n, col, cols, 2); break;
+        case 1: gguf_wide_block(fmt, xr, k, sr, wide, panel, bias, yr, n, col, cols, 1); break;
+        default: break;
+        }
         return;
     }
-    widen_panel(fmt, panel, k, wide);
-    linear_panel(x, m, k, wide, fmt == QUANT_INT8 ? scale : NULL, bias, y, n, col,
-                 n - col < LINEAR_NR ? n - col : LINEAR_NR);
+    if (fmt == QUANT_INT8) {
+        if (m == 1 && count == 4) {
+            int8_tile(x, k, panel, panel_bytes, 4, scale, bias, y, n, col, 1);
+            return;
+        }
+        if (m == 2 && count == 2) {
+            int8_tile(x, k, panel, panel_bytes, 2, scale, bias, y, n, col, 2);
+            return;
+        }
+        for (int p = 0; p < count; p++) {
+            const uint8_t *pp = panel + p * panel_bytes;
+            const int64_t c = col + p * LINEAR_NR;
+            int64_t row = 0;
+            for (; row + 4 <= m; row += 4)
+                int8_tile(x + row * k, k, pp, panel_bytes, 1, scale, bias, y + row * n, n, c, 4);
+            const float *xr = x + row * k;
+            float *yr = y + row * n;
+            switch (m - row) {
+            case 3: int8_tile(xr, k, pp, panel_bytes, 1, scale, bias, yr, n, c, 3); break;
+            case 2: int8_tile(xr, k, pp, panel_bytes, 1, scale, bias, yr, n, c, 2); break;
+            case 1: int8_tile(xr, k, pp, panel_bytes, 1, scale, bias, yr, n, c, 1); break;
+            default: break;
+            }
+        }
+        return;
+    }
+    if (m == 1 && count == 2) {
+        gguf_tile(fmt, x, k, xsum, panel, panel_bytes, 2, bias, y, n, col, 1);
+        return;
+    }
+    for (int p = 0; p < count; p++) {
+        const uint8_t *pp = panel + p * panel_bytes;
+        const int64_t c = col + p * LINEAR_NR;
+        int64_t row = 0;
+        for (; row + GGUF_TILE <= m; row += GGUF_TILE)
+            gguf_tile(fmt, x + row * k, k, xsum + row * groups, pp, panel_bytes, 1, bias,
+                      y + row * n, n, c, GGUF_TILE);
+        const float *xr = x + row * k, *sr = xsum + row * groups;
+        float *yr = y + row * n;
+        switch (m - row) {
+        case 2: gguf_tile(fmt, xr, k, sr, pp, panel_bytes, 1, bias, yr, n, c, 2); break;
+        case 1: gguf_tile(fmt, xr, k, sr, pp, panel_bytes, 1, bias, yr, n, c, 1); break;
+        default: break;
+        }
+    }
 }
 
 /* y[M, N] = x[M, K] . W^T (+ bias) for W packed as described above (scale: the
@@ -309,8 +402,24 @@ int inflight_quant_linear(int64_t fmt, const float *x, const uint8_t *packed, co
     const int64_t panel_bytes = panel_bytes_of(fmt, k);
     const int scratch = m >= QUANT_SCRATCH_MIN_ROWS;
     /* Panels per unit of work: a decode tile's, or one. */
-    const int64_t width = scratch ? 1 : m == 1 ? 4 : m == 2 ? 2 : 1;
+    const int64_t width = scratch ? 1 : m == 1 ? (fmt == QUANT_INT8 ? 4 : 2)
+                                      : m == 2 && fmt == QUANT_INT8 ? 2 : 1;
     const int64_t units = (panels + width - 1) / width;
+    /* Each row's sum of x over each block (GGUF), in one fixed order. */
+    const int64_t groups = k / QUANT_BLOCK;
+    float *xsum = NULL;
+    if (fmt != QUANT_INT8) {
+        xsum = malloc((size_t)(m * groups) * sizeof(float));
+        if (xsum == NULL)
+            return -1;
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t g = 0; g < groups; g++) {
+                float sum = 0.0f;
+                for (int64_t kk = 0; kk < QUANT_BLOCK; kk++)
+                    sum += x[r * k + g * QUANT_BLOCK + kk];
+                xsum[r * groups + g] = sum;
+            }
+    }
     int failed = 0;
 #pragma omp parallel if (m * n * k > PARALLEL_MIN_WORK)
     {
@@ -333,25 +442,26 @@ int inflight_quant_linear(int64_t fmt, const float *x, const uint8_t *packed, co
              * specialised (OpenMP outlines this region before inlining). */
             switch (fmt) {
             case QUANT_INT8:
-                quant_unit(QUANT_INT8, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col,
-                           wide);
+                quant_unit(QUANT_INT8, x, xsum, m, k, panel, panel_bytes, count, scale, bias, y,
+                           n, col, wide);
                 break;
             case QUANT_Q8_0:
-                quant_unit(QUANT_Q8_0, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col,
-                           wide);
+                quant_unit(QUANT_Q8_0, x, xsum, m, k, panel, panel_bytes, count, scale, bias, y,
+                           n, col, wide);
                 break;
             case QUANT_Q4_0:
-                quant_unit(QUANT_Q4_0, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col,
-                           wide);
+                quant_unit(QUANT_Q4_0, x, xsum, m, k, panel, panel_bytes, count, scale, bias, y,
+                           n, col, wide);
                 break;
             default:
-                quant_unit(QUANT_Q4_1, x, m, k, panel, panel_bytes, count, scale, bias, y, n, col,
-                           wide);
+                quant_unit(QUANT_Q4_1, x, xsum, m, k, panel, panel_bytes, count, scale, bias, y,
+                           n, col, wide);
                 break;
             }
         }
         free(wide);
     }
+    free(xsum);
     return failed ? -1 : 0;
 }
 
