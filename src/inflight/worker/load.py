@@ -1,7 +1,8 @@
 """Builds the real model runner from an EngineConfig: the device and threads,
 the dtype, the kernels, the model and its weights (packed for the C matrix
-product, or quantized), the KV cache's size (on CUDA, from the memory left after profiling
-the largest step), from which the context limit follows, and the CUDA graphs."""
+product, or quantized; on the CPU its layers run as one C call), the KV cache's
+size (on CUDA, from the memory left after profiling the largest step), from
+which the context limit follows, and the CUDA graphs."""
 
 from __future__ import annotations
 

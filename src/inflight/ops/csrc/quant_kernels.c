@@ -182,15 +182,15 @@ static inline __attribute__((always_inline)) void add_block(
 
 /* ---- direct path: a tile of rows x panels, read once ---- */
 
-#define QUANT_TILE 4  /* rows x panels of a tile, at most */
+#define INT8_TILE 4  /* rows x panels of a tile, at most */
 
 /* int8: `rows` rows against `panels` adjacent panels (rows * panels <= 4). */
 static inline __attribute__((always_inline)) void int8_tile(
     const float *x, int64_t k, const uint8_t *panel, int64_t panel_bytes, int panels,
     const float *scale, const float *bias, float *y, int64_t n, int64_t col, int rows)
 {
-    v8f acc[QUANT_TILE][2];  /* row r, panel p at r * panels + p */
-    for (int i = 0; i < QUANT_TILE; i++)
+    v8f acc[INT8_TILE][2];  /* row r, panel p at r * panels + p */
+    for (int i = 0; i < INT8_TILE; i++)
         acc[i][0] = acc[i][1] = (v8f){0};
     for (int64_t kk = 0; kk < k; kk++) {
         for (int p = 0; p < panels; p++) {
@@ -204,7 +204,7 @@ static inline __attribute__((always_inline)) void int8_tile(
         }
     }
     for (int p = 0; p < panels; p++) {
-        v8f out[QUANT_TILE][2];
+        v8f out[INT8_TILE][2];
         for (int r = 0; r < rows; r++) {
             out[r][0] = acc[r * panels + p][0];
             out[r][1] = acc[r * panels + p][1];
