@@ -115,6 +115,16 @@ static inline void prefetch_block(const float *block, int64_t floats)
  * K/V block load (a prompt chunk, a run of drafts). */
 #define ATTENTION_TILE 8
 
+/* The positions [lo, hi) of the block starting at `base` that a query seeing
+ * keys first .. len - 1 attends to; 0 if none. */
+static inline int keys_in_block(int64_t first, int64_t len, int64_t base, int64_t block_size,
+                                int64_t *lo, int64_t *hi)
+{
+    *lo = first > base ? first : base;
+    *hi = len < base + block_size ? len : base + block_size;
+    return *hi > *lo;
+}
+
 /* Tile of `count` query tokens x `group` heads of one sequence against one KV
  * head. Query i (rows qrow[i]) sees keys first[i] .. lens[i] - 1. Every
  * query's scores, softmax and weighted sum of values are computed in the same
@@ -137,9 +147,8 @@ static inline __attribute__((always_inline)) void attend_tile(
             prefetch_block(kh + table[b + 1] * block_stride, block_stride);
         const float *kb = kh + table[b] * block_stride;
         for (int i = 0; i < count; i++) {
-            const int64_t lo = first[i] > base ? first[i] : base;
-            const int64_t hi = lens[i] < base + block_size ? lens[i] : base + block_size;
-            if (hi <= lo)
+            int64_t lo, hi;
+            if (!keys_in_block(first[i], lens[i], base, block_size, &lo, &hi))
                 continue;
             for (int64_t g = 0; g < group; g++)
                 dot_keys(qh[i] + g * head_dim, kb + (lo - base) * head_dim, hi - lo, head_dim,
@@ -170,9 +179,8 @@ static inline __attribute__((always_inline)) void attend_tile(
             prefetch_block(vh + table[b + 1] * block_stride, block_stride);
         const float *vb = vh + table[b] * block_stride;
         for (int i = 0; i < count; i++) {
-            const int64_t lo = first[i] > base ? first[i] : base;
-            const int64_t hi = lens[i] < base + block_size ? lens[i] : base + block_size;
-            if (hi <= lo)
+            int64_t lo, hi;
+            if (!keys_in_block(first[i], lens[i], base, block_size, &lo, &hi))
                 continue;
             for (int64_t g = 0; g < group; g++)
                 accumulate_values(scores + (i * group + g) * span + (lo - lo_all), 1,

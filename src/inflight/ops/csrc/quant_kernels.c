@@ -184,6 +184,22 @@ static inline __attribute__((always_inline)) void add_block(
 
 #define INT8_TILE 4  /* rows x panels of a tile, at most */
 
+/* A tile's outputs (row r, panel p at acc[r * panels + p]) into y. */
+static inline __attribute__((always_inline)) void store_tile(
+    v8f acc[][2], int rows, int panels, const float *scale, const float *bias, float *y,
+    int64_t n, int64_t col)
+{
+    for (int p = 0; p < panels; p++) {
+        v8f out[INT8_TILE][2];
+        for (int r = 0; r < rows; r++) {
+            out[r][0] = acc[r * panels + p][0];
+            out[r][1] = acc[r * panels + p][1];
+        }
+        const int64_t c = col + p * LINEAR_NR;
+        store_block(out, rows, scale, bias, y, n, c, n - c < LINEAR_NR ? n - c : LINEAR_NR);
+    }
+}
+
 /* int8: `rows` rows against `panels` adjacent panels (rows * panels <= 4). */
 static inline __attribute__((always_inline)) void int8_tile(
     const float *x, int64_t k, const uint8_t *panel, int64_t panel_bytes, int panels,
@@ -203,15 +219,7 @@ static inline __attribute__((always_inline)) void int8_tile(
             }
         }
     }
-    for (int p = 0; p < panels; p++) {
-        v8f out[INT8_TILE][2];
-        for (int r = 0; r < rows; r++) {
-            out[r][0] = acc[r * panels + p][0];
-            out[r][1] = acc[r * panels + p][1];
-        }
-        const int64_t c = col + p * LINEAR_NR;
-        store_block(out, rows, scale, bias, y, n, c, n - c < LINEAR_NR ? n - c : LINEAR_NR);
-    }
+    store_tile(acc, rows, panels, scale, bias, y, n, col);
 }
 
 /* GGUF: `rows` rows against `panels` adjacent panels (rows * panels <= 3);
@@ -251,15 +259,7 @@ static inline __attribute__((always_inline)) void gguf_tile(
                           xsum[r * groups + g]);
         }
     }
-    for (int p = 0; p < panels; p++) {
-        v8f out[GGUF_TILE][2];
-        for (int r = 0; r < rows; r++) {
-            out[r][0] = acc[r * panels + p][0];
-            out[r][1] = acc[r * panels + p][1];
-        }
-        const int64_t c = col + p * LINEAR_NR;
-        store_block(out, rows, NULL, bias, y, n, c, n - c < LINEAR_NR ? n - c : LINEAR_NR);
-    }
+    store_tile(acc, rows, panels, NULL, bias, y, n, col);
 }
 
 /* ---- scratch path: a panel's quants widened once to float32 [K][16] ---- */
