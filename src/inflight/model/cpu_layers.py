@@ -77,7 +77,7 @@ class CpuDecoderLayers:
 
     def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Point the layers at the KV caches (allocated after the model)."""
-        num_kv_heads, num_blocks, block_size, _ = kv_caches[0][0].shape
+        _, num_blocks, block_size, _ = kv_caches[0][0].shape
         self._shape.num_blocks, self._shape.block_size = num_blocks, block_size
         layers = (_Layer * len(self._model.layers))()
         for entry, layer, (k_cache, v_cache) in zip(layers, self._model.layers, kv_caches):
