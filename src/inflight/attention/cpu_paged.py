@@ -45,6 +45,6 @@ class CpuPagedBackend(TorchPagedBackend):
         k_cache, v_cache = kv_cache
         self.ops.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        self.ops.decode_attention(q, out, k_cache, v_cache, None, metadata.block_table,
-                                  metadata.row_tables, metadata.seq_lens, scale, sliding_window)
+        self.ops.paged_attention(q, out, k_cache, v_cache, metadata.block_table,
+                                 metadata.row_tables, metadata.seq_lens, scale, sliding_window)
         return out

@@ -37,8 +37,8 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fope
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "inflight_decode_attention_f32": (ctypes.c_int, [
-        _ptr, _i64, _ptr, _i64, _ptr, _i64,  # q, q_stride, out, out_stride, rows, num_seqs
+    "inflight_paged_attention_f32": (ctypes.c_int, [
+        _ptr, _i64, _ptr, _i64, _i64,   # q, q_stride, out, out_stride, num_queries
         _ptr, _ptr, _i64, _i64,         # k_cache, v_cache, num_blocks, block_size
         _ptr, _ptr, _i64, _ptr,         # block_tables, row_tables, max_blocks, seq_lens
         _i64, _i64, _i64, _f32, _i64]),  # heads, kv heads, head_dim, scale, window
@@ -107,7 +107,7 @@ class CpuOps(TorchOps):
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack_weight = lib.inflight_pack_weight_f32
         self._linear = lib.inflight_linear_f32
-        self._attention = lib.inflight_decode_attention_f32
+        self._attention = lib.inflight_paged_attention_f32
         self._write_kv = lib.inflight_write_kv_f32
         self._rotary = lib.inflight_rotary_f32
         self._add_rms_norm = lib.inflight_add_rms_norm_f32
@@ -166,22 +166,19 @@ class CpuOps(TorchOps):
                        v_cache.data_ptr(), slots.data_ptr(), k.shape[0], num_kv_heads,
                        num_blocks * block_size, head_dim)
 
-    def decode_attention(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, rows: np.ndarray | None, block_table: np.ndarray,
-                         row_tables: np.ndarray | None, seq_lens: np.ndarray, scale: float,
-                         window: int | None) -> None:
-        """Attention of query token ``s`` (row ``rows[s]`` of q ``[T, heads,
-        head_dim]``, rows may be strided; None: row s) over the first
-        ``seq_lens[s]`` positions of the sequence whose blocks are
-        ``block_table[row_tables[s]]`` (None: ``block_table[s]``), into the same
-        row of ``out`` ``[T, heads * head_dim]``."""
+    def paged_attention(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, block_table: np.ndarray, row_tables: np.ndarray,
+                        seq_lens: np.ndarray, scale: float, window: int | None) -> None:
+        """Attention of query token ``s`` (row ``s`` of q ``[T, heads, head_dim]``,
+        rows may be strided) over the first ``seq_lens[s]`` positions of the
+        sequence whose blocks are ``block_table[row_tables[s]]``, into row ``s``
+        of ``out`` ``[T, heads * head_dim]``."""
         num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim
         status = self._attention(
-            q.data_ptr(), q.stride(0), out.data_ptr(), out.shape[1],
-            None if rows is None else rows.ctypes.data, len(seq_lens), k_cache.data_ptr(),
-            v_cache.data_ptr(), num_blocks, block_size, block_table.ctypes.data,
-            None if row_tables is None else row_tables.ctypes.data, block_table.shape[1],
+            q.data_ptr(), q.stride(0), out.data_ptr(), out.shape[1], len(seq_lens),
+            k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
+            block_table.ctypes.data, row_tables.ctypes.data, block_table.shape[1],
             seq_lens.ctypes.data, out.shape[1] // head_dim, num_kv_heads, head_dim, scale,
             window or 0)
         if status == -2:

@@ -126,7 +126,7 @@ static inline int keys_in_block(int64_t first, int64_t len, int64_t base, int64_
 }
 
 /* Tile of `count` query tokens x `group` heads of one sequence against one KV
- * head. Query i (rows qrow[i]) sees keys first[i] .. lens[i] - 1. Every
+ * head. Query i (qh[i], out oh[i]) sees keys first[i] .. lens[i] - 1. Every
  * query's scores, softmax and weighted sum of values are computed in the same
  * order as they would be alone (a tile of one), so results do not depend on
  * the tiling. `scores` holds count * group * span floats, span = lens[count-1]
@@ -196,25 +196,24 @@ static inline __attribute__((always_inline)) void attend_tile(
 
 /* Attention of query tokens over the paged KV cache.
  *
- * Query s is row rows[s] of q (and of out; rows NULL: row s), each row laid
- * out as [num_heads, head_dim] (rows q_stride and out_stride floats apart); it
- * attends to the first seq_lens[s] positions of its sequence (the last `window`
- * of them when window > 0), whose K/V live in blocks block_tables[t, :] of
- * k_cache/v_cache [num_kv_heads, num_blocks, block_size, head_dim], t =
- * row_tables[s] (NULL: s). Query head j reads KV head j / (num_heads /
- * num_kv_heads). K and V are read in place, block by block: nothing is
- * gathered or padded. A prompt's tokens are queries with increasing seq_lens
- * (causal attention); up to ATTENTION_TILE consecutive ones of a sequence
- * share each block load, and each is computed exactly as its decode would be.
- * Returns -1 if scratch memory ran out, -2 for more than 16 query heads per
- * KV head.
+ * Query s is row s of q (and of out), each row laid out as [num_heads,
+ * head_dim] (rows q_stride and out_stride floats apart); it attends to the
+ * first seq_lens[s] positions of its sequence (the last `window` of them when
+ * window > 0), whose K/V live in blocks block_tables[row_tables[s], :] of
+ * k_cache/v_cache [num_kv_heads, num_blocks, block_size, head_dim]. Query head
+ * j reads KV head j / (num_heads / num_kv_heads). K and V are read in place,
+ * block by block: nothing is gathered or padded. A prompt's tokens are queries
+ * with increasing seq_lens (causal attention); up to ATTENTION_TILE
+ * consecutive ones of a sequence share each block load, and each is computed
+ * exactly as its decode would be. Returns -1 if scratch memory ran out, -2 for
+ * more than 16 query heads per KV head.
  */
-int inflight_decode_attention_f32(
-    const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
-    int64_t num_seqs, const float *k_cache, const float *v_cache, int64_t num_blocks,
-    int64_t block_size, const int64_t *block_tables, const int64_t *row_tables,
-    int64_t max_blocks, const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, float scale, int64_t window)
+int inflight_paged_attention_f32(
+    const float *q, int64_t q_stride, float *out, int64_t out_stride, int64_t num_queries,
+    const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
+    const int64_t *block_tables, const int64_t *row_tables, int64_t max_blocks,
+    const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    float scale, int64_t window)
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t head_stride = num_blocks * block_size * head_dim;
@@ -222,19 +221,18 @@ int inflight_decode_attention_f32(
     if (group > 16)
         return -2;
     /* Tiles: runs of consecutive queries of one sequence, one key apart. */
-    int64_t *tile_start = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    int64_t *tile_start = malloc((size_t)(num_queries + 1) * sizeof(int64_t));
     if (tile_start == NULL)
         return -1;
     int64_t num_tiles = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t prev = s - 1;
+    for (int64_t s = 0; s < num_queries; s++) {
         const int joins = num_tiles > 0 && window <= 0 && s - tile_start[num_tiles - 1] <
-            ATTENTION_TILE && (row_tables ? row_tables[s] == row_tables[prev] : 0) &&
-            seq_lens[s] == seq_lens[prev] + 1;
+            ATTENTION_TILE && row_tables[s] == row_tables[s - 1] &&
+            seq_lens[s] == seq_lens[s - 1] + 1;
         if (!joins)
             tile_start[num_tiles++] = s;
     }
-    tile_start[num_tiles] = num_seqs;
+    tile_start[num_tiles] = num_queries;
     int failed = 0;
 
 #pragma omp parallel if (num_tiles * num_kv_heads > 1)
@@ -251,11 +249,10 @@ int inflight_decode_attention_f32(
                 float *oh[ATTENTION_TILE];
                 int64_t first[ATTENTION_TILE], lens[ATTENTION_TILE];
                 for (int i = 0; i < count; i++) {
-                    const int64_t row = rows ? rows[s0 + i] : s0 + i;
                     lens[i] = seq_lens[s0 + i];
                     first[i] = (window > 0 && lens[i] > window) ? lens[i] - window : 0;
-                    qh[i] = q + row * q_stride + h * group * head_dim;
-                    oh[i] = out + row * out_stride + h * group * head_dim;
+                    qh[i] = q + (s0 + i) * q_stride + h * group * head_dim;
+                    oh[i] = out + (s0 + i) * out_stride + h * group * head_dim;
                 }
                 const int64_t need = count * group * (lens[count - 1] - first[0]);
                 if (need > capacity) {
@@ -268,7 +265,7 @@ int inflight_decode_attention_f32(
                     scores = grown;
                     capacity = need;
                 }
-                const int64_t *table = block_tables + (row_tables ? row_tables[s0] : s0) * max_blocks;
+                const int64_t *table = block_tables + row_tables[s0] * max_blocks;
                 const float *kh = k_cache + h * head_stride;
                 const float *vh = v_cache + h * head_stride;
                 if (head_dim == 64)

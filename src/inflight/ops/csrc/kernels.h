@@ -4,12 +4,12 @@
 
 #include <stdint.h>
 
-int inflight_decode_attention_f32(
-    const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *rows,
-    int64_t num_seqs, const float *k_cache, const float *v_cache, int64_t num_blocks,
-    int64_t block_size, const int64_t *block_tables, const int64_t *row_tables,
-    int64_t max_blocks, const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, float scale, int64_t window);
+int inflight_paged_attention_f32(
+    const float *q, int64_t q_stride, float *out, int64_t out_stride, int64_t num_queries,
+    const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
+    const int64_t *block_tables, const int64_t *row_tables, int64_t max_blocks,
+    const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    float scale, int64_t window);
 void inflight_linear_f32(const float *x, const float *packed, const float *bias, float *y,
                          int64_t m, int64_t n, int64_t k);
 void inflight_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,

@@ -37,7 +37,7 @@ typedef struct {
 } inflight_model;
 
 /* One step's tokens: their positions and cache slots, the attention layout
- * (as for inflight_decode_attention_f32), scratch rows for each stage, and
+ * (as for inflight_paged_attention_f32), scratch rows for each stage, and
  * where to add the seconds spent in linear layers, in attention (with the KV
  * writes) and in the rest (NULL: not timed). */
 typedef struct {
@@ -61,14 +61,18 @@ static inline void lap(double *seconds, int what, double *mark)
     *mark = now;
 }
 
-static int run_linear(const inflight_linear *w, const float *x, float *y, int64_t m)
+/* y = x W^T (+ bias) for m rows, its time added as a linear layer's. */
+static int run_linear(const inflight_linear *w, const float *x, float *y, int64_t m,
+                      double *seconds, double *mark)
 {
-    if (w->format < 0) {
+    int status = 0;
+    if (w->format < 0)
         inflight_linear_f32(x, w->data, w->bias, y, m, w->out_features, w->in_features);
-        return 0;
-    }
-    return inflight_quant_linear(w->format, x, w->data, w->scale, w->bias, y, m,
-                                 w->out_features, w->in_features);
+    else
+        status = inflight_quant_linear(w->format, x, w->data, w->scale, w->bias, y, m,
+                                       w->out_features, w->in_features);
+    lap(seconds, TIME_LINEAR, mark);
+    return status;
 }
 
 /* x [T, hidden]: the embeddings in, the last layer's MLP output out; residual
@@ -88,36 +92,33 @@ int inflight_decoder_layers_f32(const inflight_model *m, const inflight_layer *l
         inflight_add_rms_norm_f32(x, residual, layer->input_norm, s->normed, t, m->hidden,
                                   m->eps);
         lap(seconds, TIME_OTHER, &mark);
-        if ((status = run_linear(&layer->qkv, s->normed, s->qkv, t)) != 0)
+        if ((status = run_linear(&layer->qkv, s->normed, s->qkv, t, seconds, &mark)) != 0)
             return status;
-        lap(seconds, TIME_LINEAR, &mark);
         inflight_rotary_f32(s->qkv, t, width, m->num_heads + m->num_kv_heads, d, s->positions,
                             m->cos, m->sin);
         lap(seconds, TIME_OTHER, &mark);
         inflight_write_kv_f32(s->qkv + q_size, width, s->qkv + q_size + kv_size, width,
                               layer->k_cache, layer->v_cache, s->slots, t, m->num_kv_heads,
                               m->num_blocks * m->block_size, d);
-        status = inflight_decode_attention_f32(
-            s->qkv, width, s->attn, q_size, NULL, t, layer->k_cache, layer->v_cache,
+        status = inflight_paged_attention_f32(
+            s->qkv, width, s->attn, q_size, t, layer->k_cache, layer->v_cache,
             m->num_blocks, m->block_size, s->block_table, s->row_tables, s->max_blocks,
             s->seq_lens, m->num_heads, m->num_kv_heads, d, m->scale, layer->window);
         if (status != 0)
             return status;
         lap(seconds, TIME_ATTENTION, &mark);
-        if ((status = run_linear(&layer->o, s->attn, x, t)) != 0)
+        if ((status = run_linear(&layer->o, s->attn, x, t, seconds, &mark)) != 0)
             return status;
-        lap(seconds, TIME_LINEAR, &mark);
         inflight_add_rms_norm_f32(x, residual, layer->post_norm, s->normed, t, m->hidden,
                                   m->eps);
         lap(seconds, TIME_OTHER, &mark);
-        if ((status = run_linear(&layer->gate_up, s->normed, s->gate_up, t)) != 0)
+        if ((status = run_linear(&layer->gate_up, s->normed, s->gate_up, t, seconds,
+                                 &mark)) != 0)
             return status;
-        lap(seconds, TIME_LINEAR, &mark);
         inflight_silu_and_mul_f32(s->gate_up, s->act, t, m->intermediate);
         lap(seconds, TIME_OTHER, &mark);
-        if ((status = run_linear(&layer->down, s->act, x, t)) != 0)
+        if ((status = run_linear(&layer->down, s->act, x, t, seconds, &mark)) != 0)
             return status;
-        lap(seconds, TIME_LINEAR, &mark);
     }
     return 0;
 }

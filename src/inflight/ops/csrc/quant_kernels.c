@@ -49,26 +49,16 @@ typedef int32_t v8i __attribute__((vector_size(32), aligned(4), may_alias));
 
 /* ---- widening helpers (AVX2 instructions where present) ---- */
 
-static inline v8i widen_u8(const uint8_t *p)
+/* 8 bytes to 8 int32, sign- or zero-extended. */
+static inline __attribute__((always_inline)) v8i widen_bytes(const uint8_t *p, int is_signed)
 {
 #ifdef QUANT_X86
-    return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
+    return (v8i)(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 #else
     v8i v;
     for (int i = 0; i < 8; i++)
-        v[i] = p[i];
-    return v;
-#endif
-}
-
-static inline v8i widen_s8(const uint8_t *p)
-{
-#ifdef QUANT_X86
-    return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#else
-    v8i v;
-    for (int i = 0; i < 8; i++)
-        v[i] = (int8_t)p[i];
+        v[i] = is_signed ? (int8_t)p[i] : p[i];
     return v;
 #endif
 }
@@ -159,10 +149,10 @@ static inline __attribute__((always_inline)) void widen_quants(
     int fmt, const uint8_t *q, int64_t kk, v8f *w0, v8f *w1)
 {
     if (fmt == QUANT_INT8 || fmt == QUANT_Q8_0) {
-        *w0 = to_float(widen_s8(q + kk * LINEAR_NR));
-        *w1 = to_float(widen_s8(q + kk * LINEAR_NR + 8));
+        *w0 = to_float(widen_bytes(q + kk * LINEAR_NR, 1));
+        *w1 = to_float(widen_bytes(q + kk * LINEAR_NR + 8, 1));
     } else {
-        const v8i v = widen_u8(q + kk * (LINEAR_NR / 2));
+        const v8i v = widen_bytes(q + kk * (LINEAR_NR / 2), 0);
         *w0 = to_float(v & 15);
         *w1 = to_float(v >> 4);
     }
