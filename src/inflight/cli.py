@@ -196,6 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="JSON outputs of earlier runs to plot beside this one")
     sv.set_defaults(func=_bench_serve)
 
+    cal = bench.add_parser("calibrate", help="fit the simulator's step-time model to this engine "
+                                             "on this machine")
+    add_engine_args(cal)
+    cal.add_argument("--output", default="cost-model.json", help="where the fit is saved")
+    cal.add_argument("--quick", action="store_true", help="a shorter sweep (a rougher fit)")
+    cal.add_argument("--serving", action=argparse.BooleanOptionalAction, default=True,
+                     help="also fit the cost of streaming a token from a run of "
+                          "'inflight serve' (--no-serving: offline steps only)")
+    cal.set_defaults(func=_bench_calibrate)
+
     sw = bench.add_parser("sweep", help="continuous vs static over batch sizes, with plots")
     _add_bench_args(sw)
     sw.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
@@ -204,7 +214,27 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--timeline-seqs", type=int, default=8)
     sw.add_argument("--output-dir", default="bench-results")
     sw.set_defaults(func=_bench_sweep)
+
+    from inflight.sim import commands as sim_commands
+
+    sim = sub.add_parser("simulate", help="the real scheduler in virtual time on a cost model: "
+                                          "capacity planning, policy comparisons")
+    sim_commands.add_arguments(sim)
+    add_engine_args(sim, exclude=sim_commands.MODEL_OPTIONS)
+    sim.set_defaults(func=_simulate)
     return parser
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from inflight.sim import commands as sim_commands
+
+    return sim_commands.run(args, engine_config_from_args(args))
+
+
+def _bench_calibrate(args: argparse.Namespace) -> int:
+    from inflight.bench import calibrate
+
+    return calibrate.run(args, engine_config_from_args(args))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -244,7 +274,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
 
 
 def _add_bench_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    from inflight.bench.commands import add_workload_args
+    from inflight.bench.workloads import add_workload_args
 
     add_workload_args(parser)
     add_engine_args(parser, exclude=("max_num_seqs", "scheduling", "seed", "preemption_mode",

@@ -18,32 +18,13 @@ import torch
 from inflight.bench.throughput import (ThroughputResult, matmul_flops, run_engine,
                                        run_hf_continuous, run_hf_generate)
 from inflight.bench.workloads import (CHAT_WORKLOADS, SYNTHETIC, BenchRequest, chat_workload,
-                                     from_file, parse_length, synthetic)
+                                     from_file, synthetic)
 from inflight.config import EngineConfig
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.factory import build_engine_core
 from inflight.model.loader import resolve_model_dir
 
 SWEEP_SEQS = (4, 8, 16, 32, 64, 128)
-
-
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("workload")
-    group.add_argument("--workload", default="mixed",
-                       help=f"one of {', '.join(SYNTHETIC + CHAT_WORKLOADS)}, or a JSON file "
-                            '{"requests": [{"prompt_token_ids" or "prompt", "max_tokens"}]}')
-    group.add_argument("--num-requests", type=int, default=64)
-    group.add_argument("--seed", dest="workload_seed", type=int, default=0)
-    group.add_argument("--input-len", type=parse_length, default=128, metavar="N|LOW-HIGH",
-                       help="uniform workload prompt length (a range: uniform per request)")
-    group.add_argument("--output-len", type=parse_length, default=128, metavar="N|LOW-HIGH",
-                       help="output length of the uniform, shared-prefix and multi-turn workloads "
-                            "(a range: uniform per request)")
-    group.add_argument("--prefix-len", type=int, default=1000,
-                       help="shared-prefix workload: length of the shared system prompt")
-    group.add_argument("--turns", type=int, default=4, help="multi-turn workload: turns per conversation")
-    group.add_argument("--ignore-eos", action="store_true",
-                       help="generate exactly max_tokens per request")
 
 
 def load_workload(args: argparse.Namespace, engine: EngineCore) -> list[BenchRequest]:

@@ -6,6 +6,7 @@ step does not depend on what the tokens say.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -186,3 +187,22 @@ def from_file(path: Path) -> list[BenchRequest]:
             raise ValueError(f"{path}: requests[{i}].max_tokens must be an integer >= 1")
         requests.append(BenchRequest(ids, max_tokens, text))
     return requests
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--workload", default="mixed",
+                       help=f"one of {', '.join(SYNTHETIC + CHAT_WORKLOADS)}, or a JSON file "
+                            '{"requests": [{"prompt_token_ids" or "prompt", "max_tokens"}]}')
+    group.add_argument("--num-requests", type=int, default=64)
+    group.add_argument("--seed", dest="workload_seed", type=int, default=0)
+    group.add_argument("--input-len", type=parse_length, default=128, metavar="N|LOW-HIGH",
+                       help="uniform workload prompt length (a range: uniform per request)")
+    group.add_argument("--output-len", type=parse_length, default=128, metavar="N|LOW-HIGH",
+                       help="output length of the uniform, shared-prefix and multi-turn workloads "
+                            "(a range: uniform per request)")
+    group.add_argument("--prefix-len", type=int, default=1000,
+                       help="shared-prefix workload: length of the shared system prompt")
+    group.add_argument("--turns", type=int, default=4, help="multi-turn workload: turns per conversation")
+    group.add_argument("--ignore-eos", action="store_true",
+                       help="generate exactly max_tokens per request")

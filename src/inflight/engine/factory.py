@@ -15,8 +15,6 @@ from inflight.core.static_scheduler import StaticBatchScheduler
 from inflight.engine.client import ModelInfo
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.output import OutputProcessor
-from inflight.model.loader import (eos_token_ids, model_display_name, read_model_config,
-                                   resolve_model_dir)
 from inflight.model.tokenizer import Tokenizer
 from inflight.spec_decode.config import SpeculativeConfig
 from inflight.spec_decode.speculator import Speculator
@@ -30,6 +28,10 @@ def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
     """``model_stub`` puts a no-op model in the real runner (benchmarks of the
     machinery around the forward pass); ``runner`` replaces the real runner
     altogether (a stub, a cost model)."""
+    # torch (through the weight loaders): only for an engine with a real model.
+    from inflight.model.loader import (eos_token_ids, model_display_name, read_model_config,
+                                       resolve_model_dir)
+
     start = time.perf_counter()
     model_dir = resolve_model_dir(config.model)
     model_config = read_model_config(model_dir)
@@ -43,10 +45,27 @@ def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
             special = eos | (tokenizer.special_token_ids if tokenizer else frozenset())
             stub_token = next(t for t in range(model_config.vocab_size) if t not in special)
         runner = load_runner(config, model_dir, model_config, stub_token_id=stub_token)
+    scheduler = build_scheduler(config, runner, clock)
+    info = ModelInfo(name=model_display_name(config.model), max_model_len=runner.max_model_len,
+                     vocab_size=model_config.vocab_size)
+    speculator = None
+    if config.speculative_config is not None:
+        speculator = Speculator(SpeculativeConfig.parse(config.speculative_config))
+    core = EngineCore(scheduler, runner, OutputProcessor(tokenizer), model=info,
+                      tokenizer=tokenizer, eos_token_ids=eos, clock=clock,
+                      speculator=speculator)
+    core.load_seconds = time.perf_counter() - start
+    logger.info("loaded %s in %.1f s", info.name, core.load_seconds)
+    return core
+
+
+def build_scheduler(config: EngineConfig, runner: Runner, clock: Clock) -> Scheduler:
+    """The scheduler, its policy and a KV cache manager over the runner's blocks
+    (shared by the engine and the simulator)."""
     kv_cache = KVCacheManager(runner.num_kv_blocks, config.block_size, runner.num_host_blocks,
                               enable_caching=config.enable_prefix_caching)
     scheduler_class = StaticBatchScheduler if config.scheduling == "static" else Scheduler
-    scheduler = scheduler_class(
+    return scheduler_class(
         kv_cache,
         make_policy(config.scheduling_policy,
                     PolicyConfig(config.priority_aging, config.sjf_aging)),
@@ -59,14 +78,3 @@ def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
         preempt_for_priority=config.preempt_for_priority,
         drop_expired=config.drop_expired,
         max_running_per_tenant=config.max_running_per_tenant)
-    info = ModelInfo(name=model_display_name(config.model), max_model_len=runner.max_model_len,
-                     vocab_size=model_config.vocab_size)
-    speculator = None
-    if config.speculative_config is not None:
-        speculator = Speculator(SpeculativeConfig.parse(config.speculative_config))
-    core = EngineCore(scheduler, runner, OutputProcessor(tokenizer), model=info,
-                      tokenizer=tokenizer, eos_token_ids=eos, clock=clock,
-                      speculator=speculator)
-    core.load_seconds = time.perf_counter() - start
-    logger.info("loaded %s in %.1f s", info.name, core.load_seconds)
-    return core

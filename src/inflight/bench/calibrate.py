@@ -1,0 +1,246 @@
+"""``inflight bench calibrate``: fit the simulator's step-time model to this
+engine on this machine.
+
+A sweep of workloads runs through the real engine, each step's shape
+(``sim.cost_model.step_shape``) recorded with its measured seconds: decode
+batches of 1 to ``max_num_seqs`` sequences over short contexts and of a
+few over long ones, prompts of 16 to 512 tokens joining those batches,
+single prompts of 16 tokens up to the token budget (and a longer one whose
+second chunk attends to the first), and the ``mixed`` workload. The
+``LinearCostModel`` fit of those steps is saved as JSON, with what it was
+fitted on. Swapping a KV block costs its bytes at this machine's measured copy
+bandwidth.
+
+Serving adds a cost per step and per streamed token (the server's event
+loop and the load generator run on the same cores as the engine). Unless
+``--no-serving``, ``inflight serve`` is started and loaded with the ``chat``
+scenario at 30 % and 70 % of the capacity the fitted model predicts (seeds of
+their own, not the validation's), and the two costs are chosen on a grid so
+that the simulated TPOT p50 of the same requests matches the measured one in
+both runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import platform
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from inflight.bench import serving
+from inflight.bench.server_process import ServerProcess
+from inflight.bench.workloads import synthetic
+from inflight.config import EngineConfig
+from inflight.core.sampling_params import SamplingParams
+from inflight.engine.engine_core import EngineCore
+from inflight.engine.factory import build_engine_core
+from inflight.model.loader import resolve_model_dir
+from inflight.model.tokenizer import Tokenizer
+from inflight.sim.capacity import burst_capacity
+from inflight.sim.cost_model import LinearCostModel, StepShape, step_shape
+from inflight.sim.report import report
+from inflight.sim.simulator import SimConfig, Simulator
+from inflight.sim.trace import from_specs
+from inflight.worker.runner import Runner, RunnerOutput
+
+
+class ShapeRecorder:
+    """Wraps the engine's runner: notes the shape of every step it computes."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.num_kv_blocks = runner.num_kv_blocks
+        self.num_host_blocks = runner.num_host_blocks
+        self.max_model_len = runner.max_model_len
+        self.last_shape: StepShape | None = None
+
+    def move_blocks(self, out: Any) -> None:
+        self.runner.move_blocks(out)
+
+    def execute(self, out: Any) -> RunnerOutput:
+        self.last_shape = step_shape(out)
+        return self.runner.execute(out)
+
+    def __getattr__(self, name: str) -> Any:  # device, weight_bytes, ... of the real runner
+        return getattr(self.runner, name)
+
+
+def _run(engine: EngineCore, recorder: ShapeRecorder, prompts: list[list[int]],
+         max_tokens: list[int], samples: list[tuple[StepShape, float]],
+         joining: list[list[int]] | None = None) -> None:
+    """Add every prompt at once, step to the end, record each step. The
+    ``joining`` prompts (one token out each) come one at a time whenever
+    everything running is decoding: steps of decodes with a prompt in them."""
+    for ids, n in zip(prompts, max_tokens):
+        engine.add_request({"prompt_token_ids": ids},
+                           SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    joining = list(joining or [])
+    scheduler = engine.scheduler
+    while engine.has_unfinished_requests():
+        if joining and not scheduler.num_waiting and all(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running):
+            engine.add_request({"prompt_token_ids": joining.pop(0)},
+                               SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        recorder.last_shape = None
+        engine.step()
+        if recorder.last_shape is not None:
+            samples.append((recorder.last_shape, engine.last_step.seconds))
+    engine.reset_prefix_cache()
+
+
+def sweep(engine: EngineCore, recorder: ShapeRecorder, quick: bool = False
+          ) -> list[tuple[StepShape, float]]:
+    """The calibration workloads (see the module docstring)."""
+    slots = engine.scheduler.max_num_seqs
+    budget = engine.scheduler.max_num_batched_tokens
+    limit = engine.max_model_len
+    counter = iter(range(10**9))
+
+    vocab = engine.model.vocab_size
+
+    def prompt(n: int) -> list[int]:  # distinct prompts: no prefix-cache hits
+        k = next(counter)
+        return [(k * 7919 + j * 104729) % (vocab - 1) + 1 for j in range(n)]
+
+    samples: list[tuple[StepShape, float]] = []
+    _run(engine, recorder, [prompt(24)], [4], [])  # warm-up, not recorded
+    # (context, batch sizes, prompts joining the decodes): long contexts only
+    # in small batches, whose prompts cost the sweep most of its time.
+    plan = [(64, (1, 4, 16, 64, 128, 256), (16, 64, 128, 256, 512)),
+            (512, (1, 8, 32), (64, 256)), (1536, (1, 4), ())]
+    decode_steps = 8 if quick else 16
+    for context, sizes, joining in plan:
+        joining = tuple(n for n in joining if n < min(budget, limit))
+        steps = decode_steps + 2 * len(joining)
+        for size in sizes[::2] if quick else sizes:
+            if (context + steps > limit or size > slots
+                    or size * (context + steps) > engine.kv_cache.capacity_tokens):
+                continue
+            _run(engine, recorder, [prompt(context) for _ in range(size)], [steps] * size,
+                 samples, [prompt(n) for n in joining])
+    lengths = [n for n in (16, 64, 256, 512, 1024, 2048, 4096) if n <= min(budget, limit - 1)]
+    for n in lengths:
+        for _ in range(1 if quick else 2):
+            _run(engine, recorder, [prompt(n)], [1], samples)
+    if budget + 512 < limit:  # a second chunk attending to the first
+        _run(engine, recorder, [prompt(budget + 512)], [1], samples)
+    # (seed 1: not the requests of the validation's seed-0 mixed workload)
+    mixed = synthetic("mixed", 32 if quick else 64, 1, engine.model.vocab_size, limit)
+    _run(engine, recorder, [r.prompt_token_ids for r in mixed], [r.max_tokens for r in mixed],
+         samples)
+    return samples
+
+
+def copy_bandwidth(megabytes: int = 64) -> float:
+    """Bytes per second of a large in-memory copy (best of five)."""
+    src = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return src.nbytes / best
+
+
+SERVING_RUNS = ((0.3, 7), (0.7, 8))  # (share of the predicted capacity, seed)
+
+
+def fit_serving(model: LinearCostModel, config: EngineConfig, duration: float = 30.0
+                ) -> list[dict[str, float]]:
+    """Set ``model.serving_step_seconds`` and ``serving_token_seconds`` from two
+    serving runs (see the module docstring); returns the runs' figures."""
+    tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model))
+    sim_config = SimConfig.build(config, model)
+    chat = serving.SCENARIOS["chat"]
+    capacity = burst_capacity(sim_config, model, chat, tokenizer.encode)
+    runs = []
+    with ServerProcess(config) as url:
+        for share, seed in SERVING_RUNS:
+            specs = serving.build_requests([replace(c, rate=share * capacity) for c in chat],
+                                           duration, seed)
+            measured = serving.run(url, None, specs, None, None, None)["overall"]
+            runs.append((from_specs(specs, tokenizer.encode),
+                         {"rate": share * capacity, "requests": len(specs),
+                          "tpot_p50": measured["tpot_seconds"]["p50"],
+                          "ttft_p50": measured["ttft_seconds"]["p50"]}))
+
+    def error(step: float, token: float) -> float:
+        model.serving_step_seconds, model.serving_token_seconds = step, token
+        total = 0.0
+        for trace, figures in runs:
+            tpot = report(Simulator(sim_config, model).run(trace))["overall"]["tpot_seconds"]
+            total += (tpot["p50"] / figures["tpot_p50"] - 1) ** 2
+        return total
+
+    # A coarse grid, then a finer one around its best point.
+    best = (0.0, 0.0)
+    for step_size, token_size, reach in ((0.002, 0.00025, 15), (0.0004, 0.00005, 5)):
+        centre = best
+        grid = [(max(0.0, centre[0] + i * step_size), max(0.0, centre[1] + j * token_size))
+                for i in range(-reach if centre != (0.0, 0.0) else 0, reach + 1)
+                for j in range(-reach if centre != (0.0, 0.0) else 0, reach + 1)]
+        best = min(dict.fromkeys(grid), key=lambda p: error(*p))
+    model.serving_step_seconds, model.serving_token_seconds = best
+    return [figures for _, figures in runs]
+
+
+def calibrate(config: EngineConfig, quick: bool = False, with_serving: bool = True
+              ) -> LinearCostModel:
+    engine = build_engine_core(config)
+    recorder = ShapeRecorder(engine.runner)
+    engine.runner = recorder
+    start = time.perf_counter()
+    samples = sweep(engine, recorder, quick)
+    runner = recorder.runner
+    block_bytes = sum(t.numel() * t.element_size() for t in _tensors(runner.kv_caches))
+    block_bytes //= max(1, runner.num_kv_blocks)
+    model = LinearCostModel.fit(
+        samples,
+        date=datetime.date.today().isoformat(), machine=platform.processor() or platform.machine(),
+        model=engine.model.name, num_kv_blocks=runner.num_kv_blocks,
+        num_host_blocks=runner.num_host_blocks, max_model_len=engine.max_model_len,
+        kv_block_bytes=block_bytes, sweep_seconds=time.perf_counter() - start,
+        engine={k: v for k, v in asdict(config).items() if isinstance(v, (int, float, str, bool))
+                or v is None})
+    model.swap_block_seconds = block_bytes / copy_bandwidth()
+    del engine, recorder, runner
+    gc.collect()
+    if with_serving:
+        model.context["serving_runs"] = fit_serving(model, config,
+                                                    duration=15.0 if quick else 30.0)
+    return model
+
+
+def _tensors(value: Any) -> list[Any]:
+    """The tensors in a runner's KV cache structure (a tensor, or nested lists)."""
+    if hasattr(value, "numel"):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def run(args: Any, config: EngineConfig) -> int:
+    model = calibrate(config, quick=args.quick, with_serving=args.serving)
+    model.save(Path(args.output))
+    ctx = model.context
+    print(f"fitted on {ctx['steps']} steps in {ctx['sweep_seconds']:.0f} s: median relative "
+          f"error {100 * ctx['median_relative_error']:.1f}%, p90 "
+          f"{100 * ctx['p90_relative_error']:.1f}%")
+    print(f"  base {1000 * model.base:.3f} ms/step" + "".join(
+        f", {name} {1e6 * value:.3f} us" for name, value in model.coefficients.items()))
+    if args.serving:
+        for run in ctx["serving_runs"]:
+            print(f"  serving run: {run['requests']} chat requests at {run['rate']:.2f}/s, "
+                  f"TPOT p50 {1000 * run['tpot_p50']:.1f} ms")
+        print(f"  serving adds {1000 * model.serving_step_seconds:.2f} ms per step and "
+              f"{1000 * model.serving_token_seconds:.3f} ms per streamed token")
+    print(f"  swap {1e6 * model.swap_block_seconds:.1f} us/block; "
+          f"{ctx['num_kv_blocks']} KV blocks; saved to {args.output}")
+    return 0
