@@ -202,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--output", default="cost-model.json", help="where the fit is saved")
     cal.add_argument("--quick", action="store_true", help="a shorter sweep (a rougher fit)")
     cal.add_argument("--serving", action=argparse.BooleanOptionalAction, default=True,
-                     help="also fit the cost of streaming a token from a run of "
-                          "'inflight serve' (--no-serving: offline steps only)")
+                     help="also fit what the HTTP server adds per step and per streamed token, from "
+                          "two runs of 'inflight serve' (--no-serving: offline steps only)")
     cal.set_defaults(func=_bench_calibrate)
 
     sw = bench.add_parser("sweep", help="continuous vs static over batch sizes, with plots")
