@@ -326,7 +326,8 @@ def report(results: list[RequestResult], wall: float, slo_ttft: float | None,
             "classes": {c: block([r for r in results if r.cls == c]) for c in classes}}
 
 
-def print_report(title: str, data: dict[str, Any]) -> None:
+def print_report(title: str, data: dict[str, Any], hit_rate_source: str = "server's /metrics"
+                 ) -> None:
     print(f"\n{title}: {data['wall_seconds']:.1f} s")
     header = f"  {'class':<14}{'metric':<6}{'mean':>9}" + "".join(
         f"{'p' + str(q):>9}" for q in PERCENTILES)
@@ -345,7 +346,7 @@ def print_report(title: str, data: dict[str, Any]) -> None:
             print(f"    error ({block['failed']} failed): {error}")
     print("  (milliseconds; goodput: requests/s meeting the SLO)")
     if data.get("prefix_cache_hit_rate") is not None:
-        print(f"  prefix cache hit rate (server's /metrics): "
+        print(f"  prefix cache hit rate ({hit_rate_source}): "
               f"{100 * data['prefix_cache_hit_rate']:.1f}% of prompt tokens")
 
 

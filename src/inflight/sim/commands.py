@@ -184,7 +184,7 @@ def run(args: argparse.Namespace, engine: EngineConfig) -> int:
     elapsed = time.perf_counter() - start
     data = report(result, slo_ttft, slo_tpot)
     data["simulation"]["host_seconds"] = elapsed
-    serving.print_report(f"simulated ({len(trace)} requests)", data)
+    serving.print_report(f"simulated ({len(trace)} requests)", data, "simulated")
     print_summary(data)
     print(f"  {len(trace)} requests simulated in {elapsed:.1f} s "
           f"({len(trace) / elapsed:,.0f} requests/s)")
