@@ -511,3 +511,17 @@ def test_calibration_fits_a_model_the_simulator_can_use(tiny_model, tmp_path):
     assert sim_config.max_model_len == 512
     result = Simulator(sim_config, model).run(chat_trace(1.0, 5.0))
     assert result.records and all(r.ok for r in result.records)
+
+
+def test_serving_calibration_prices_what_the_server_adds(tiny_model):
+    """Two short runs against a real `inflight serve` of a tiny model (the
+    server subprocess, the load generator, the search): both runs measured,
+    the fitted serving costs non-negative."""
+    from inflight.bench.calibrate import calibrate, fit_serving
+
+    config = EngineConfig(model=str(tiny_model("llama-gqa")), kv_cache_memory="64MiB",
+                          max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512)
+    model = calibrate(config, quick=True, with_serving=False)
+    runs = fit_serving(model, config, duration=1.5)
+    assert len(runs) == 2 and all(r["requests"] > 0 and r["tpot_p50"] > 0 for r in runs)
+    assert model.serving_step_seconds >= 0 and model.serving_token_seconds >= 0

@@ -15,9 +15,11 @@ Serving adds a cost per step and per streamed token (the server's event
 loop and the load generator run on the same cores as the engine). Unless
 ``--no-serving``, ``inflight serve`` is started and loaded with the ``chat``
 scenario at 30 % and 70 % of the capacity the fitted model predicts (seeds of
-their own, not the validation's), and the two costs are chosen on a grid so
-that the simulated TPOT p50 of the same requests matches the measured one in
-both runs.
+their own, not the validation's), and the two costs are found by alternate
+bisections so that the simulated TPOT p50 of the same requests matches the
+measured one in both runs (the per-step cost from the light run, the
+per-token cost from the busier one; each stays 0 where the simulation is
+already as slow as the server).
 """
 
 from __future__ import annotations
@@ -170,22 +172,29 @@ def fit_serving(model: LinearCostModel, config: EngineConfig, duration: float = 
                           "tpot_p50": measured["tpot_seconds"]["p50"],
                           "ttft_p50": measured["ttft_seconds"]["p50"]}))
 
-    def error(step: float, token: float) -> float:
+    def tpot(trace: list[Any], step: float, token: float) -> float:
         model.serving_step_seconds, model.serving_token_seconds = step, token
-        total = 0.0
-        for trace, figures in runs:
-            tpot = report(Simulator(sim_config, model).run(trace))["overall"]["tpot_seconds"]
-            total += (tpot["p50"] / figures["tpot_p50"] - 1) ** 2
-        return total
+        return report(Simulator(sim_config, model).run(trace))["overall"]["tpot_seconds"]["p50"]
 
-    # A coarse grid, then a finer one around its best point.
-    best = (0.0, 0.0)
-    for step_size, token_size, reach in ((0.002, 0.00025, 15), (0.0004, 0.00005, 5)):
-        centre = best
-        grid = [(max(0.0, centre[0] + i * step_size), max(0.0, centre[1] + j * token_size))
-                for i in range(-reach if centre != (0.0, 0.0) else 0, reach + 1)
-                for j in range(-reach if centre != (0.0, 0.0) else 0, reach + 1)]
-        best = min(dict.fromkeys(grid), key=lambda p: error(*p))
+    def solve(run: int, cost: Any, high: float) -> float:
+        """The value (>= 0) that makes run ``run``'s simulated TPOT p50 its
+        measured one, by bisection (TPOT grows with it)."""
+        trace, target = runs[run][0], runs[run][1]["tpot_p50"]
+        if tpot(trace, *cost(0.0)) >= target:
+            return 0.0
+        low = 0.0
+        for _ in range(14):
+            mid = (low + high) / 2
+            low, high = (mid, high) if tpot(trace, *cost(mid)) < target else (low, mid)
+        return (low + high) / 2
+
+    # Alternately: the per-step cost from the light run, the per-token cost
+    # from the busier one (where more tokens share each step).
+    step = token = 0.0
+    for _ in range(4):
+        step = solve(0, lambda v: (v, token), 0.05)
+        token = solve(1, lambda v: (step, v), 0.005)
+    best = (step, token)
     model.serving_step_seconds, model.serving_token_seconds = best
     return [figures for _, figures in runs]
 
