@@ -396,6 +396,11 @@ def test_queue_limits_refuse_and_time_out_as_the_server_does():
     result = Simulator(config, CPU_LIKE).run(trace)
     timed_out = [r for r in result.records if r.status == 503]
     assert timed_out and all(r.ok or r.status == 503 for r in result.records)
+    # With replicas, the router hears of every request's end, timed out or not.
+    two = Simulator(replace(config, engine=EngineConfig(max_num_seqs=16), replicas=2,
+                            router="pow2"), CPU_LIKE)
+    assert any(r.status == 503 for r in two.run(trace).records)
+    assert all(r.in_flight == 0 for r in two.router.replicas.values())
     unlimited = Simulator(SimConfig.build(EngineConfig(), CPU_LIKE), CPU_LIKE).run(trace)
     assert all(r.ok for r in unlimited.records)
     worst = max(r.ttft for r in result.records if r.ok)

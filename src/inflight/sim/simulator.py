@@ -211,7 +211,7 @@ class Simulator:
         heapq.heappush(self._events, (time, kind, self._seq, payload))
 
     def run(self, trace: list[TraceRequest]) -> SimResult:
-        """Simulate ``trace`` until every request has ended."""
+        """Simulate ``trace`` until every request has ended (once per Simulator)."""
         records: list[RequestRecord | None] = [None] * len(trace)
         followers: dict[int, list[int]] = {}
         for i, r in enumerate(trace):
@@ -253,6 +253,8 @@ class Simulator:
                         trace[index].cls, False, 503, "queue_timeout",
                         arrival=self._arrivals[index], replica=replica.index)
                     pending -= 1 + self._skip_followers(index, followers, records, trace)
+                    if self.router is not None:
+                        self._push(replica.clock.now, COMPLETE, replica.index)
                 for out in finished:
                     index = int(out.request_id)
                     records[index] = record = self._record(out, trace[index].cls, replica.index)
@@ -274,6 +276,9 @@ class Simulator:
                     self._push(replica.clock.now, STEP, replica.index)
                 else:
                     replica.stepping = False
+        for _, kind, _, payload in self._events:  # the router hears of the last ones
+            if kind == COMPLETE:
+                self.router.completed(str(payload))
         kv = [r.core.kv_cache for r in self.replicas]
         stats = [r.core.scheduler.stats for r in self.replicas]
         return SimResult(
