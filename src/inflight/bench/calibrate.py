@@ -194,8 +194,7 @@ def fit_serving(model: LinearCostModel, config: EngineConfig, duration: float = 
     for _ in range(4):
         step = solve(0, lambda v: (v, token), 0.05)
         token = solve(1, lambda v: (step, v), 0.005)
-    best = (step, token)
-    model.serving_step_seconds, model.serving_token_seconds = best
+    model.serving_step_seconds, model.serving_token_seconds = step, token
     return [figures for _, figures in runs]
 
 

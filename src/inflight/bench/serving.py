@@ -19,6 +19,7 @@ import random
 import re
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,13 +255,17 @@ async def run_closed_loop(url: str, model: str, specs: list[RequestSpec], concur
 
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile with linear interpolation (numpy's default)."""
-    if not values:
+    return sorted_percentile(sorted(values), q)
+
+
+def sorted_percentile(ordered: Sequence[float], q: float) -> float:
+    """``percentile`` of values already in ascending order."""
+    if not len(ordered):
         return float("nan")
-    ordered = sorted(values)
     pos = (len(ordered) - 1) * q / 100
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
 
 
 def summarize(values: list[float]) -> dict[str, float]:

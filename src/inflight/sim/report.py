@@ -9,7 +9,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from inflight.bench.serving import PERCENTILES, RequestResult
+import numpy as np
+
+from inflight.bench.serving import PERCENTILES, sorted_percentile
 from inflight.bench.serving import report as serving_report
 from inflight.sim.simulator import SimResult
 
@@ -36,36 +38,23 @@ def parse_slo(text: str) -> dict[str, float]:
     return slo
 
 
-def _percentile(ordered: Any, q: float) -> float:
-    """The q-th percentile of sorted values, interpolated like numpy's default."""
-    if not len(ordered):
-        return float("nan")
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
-
-
 def _summary(values: Any) -> dict[str, float]:
-    import numpy as np
-
+    """``bench serve``'s summary of many values (numpy sorts them)."""
     ordered = np.sort(np.asarray(values, dtype=np.float64))
     out = {"mean": float(ordered.mean()) if len(ordered) else float("nan")}
-    out.update({f"p{q}": _percentile(ordered, q) for q in PERCENTILES})
+    out.update({f"p{q}": sorted_percentile(ordered, q) for q in PERCENTILES})
     return out
 
 
 def report(result: SimResult, slo_ttft: float | None = None, slo_tpot: float | None = None
            ) -> dict[str, Any]:
     """``bench serve``'s report of a simulation (the ITL from every token's gap)."""
-    results = [RequestResult(r.cls, r.ok, r.status, r.error, r.ttft, r.e2e, r.output_tokens)
-               for r in result.records]
     wall = max(result.end_time, 1e-9)
-    data = serving_report(results, wall, slo_ttft, slo_tpot,
+    data = serving_report(result.records, wall, slo_ttft, slo_tpot,
                           prefix_hit_rate=(result.prefix_cache_hits / result.prefix_cache_queries
                                            if result.prefix_cache_queries else None))
-    all_gaps = [g for gaps in result.gaps.values() for g in gaps]
-    data["overall"]["itl_seconds"] = _summary(all_gaps)
+    data["overall"]["itl_seconds"] = _summary(
+        np.concatenate([np.asarray(g) for g in result.gaps.values()]) if result.gaps else [])
     for cls, block in data["classes"].items():
         block["itl_seconds"] = _summary(result.gaps.get(cls, []))
     busy = sum(result.busy_seconds)
@@ -116,7 +105,6 @@ def plot_timeline(result: SimResult, path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     end = max(result.end_time, 1e-9)
     grid = np.linspace(0, end, 600)

@@ -33,6 +33,7 @@ from inflight.core.sampling_params import SamplingParams
 from inflight.engine.client import ModelInfo
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.factory import build_scheduler
+from inflight.bench.serving import RequestResult
 from inflight.engine.output import OutputProcessor, RequestOutput
 from inflight.ray.routing import ReplicaReport, ReplicaRouter, RouterConfig, short_key
 from inflight.sim.cost_model import CostModel, LinearCostModel, RooflineCostModel, StepShape
@@ -116,19 +117,12 @@ class SimConfig:
 
 
 @dataclass
-class RequestRecord:
-    """What a client of the server would have seen of one request."""
+class RequestRecord(RequestResult):
+    """What a client of the server would have seen of one request (``bench
+    serve``'s result, without the per-chunk gaps: the simulation keeps those
+    per class), and when it arrived."""
 
-    cls: str
-    ok: bool
-    status: int = 200
-    error: str = ""
     arrival: float = 0.0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    output_tokens: int = 0
-    replica: int = -1
-    num_preemptions: int = 0
 
 
 @dataclass
@@ -251,13 +245,13 @@ class Simulator:
                     index = int(rid)
                     records[index] = RequestRecord(
                         trace[index].cls, False, 503, "queue_timeout",
-                        arrival=self._arrivals[index], replica=replica.index)
+                        arrival=self._arrivals[index])
                     pending -= 1 + self._skip_followers(index, followers, records, trace)
                     if self.router is not None:
                         self._push(replica.clock.now, COMPLETE, replica.index)
                 for out in finished:
                     index = int(out.request_id)
-                    records[index] = record = self._record(out, trace[index].cls, replica.index)
+                    records[index] = record = self._record(out, trace[index].cls)
                     end_time = max(end_time, out.metrics.finished_time or replica.clock.now)
                     pending -= 1
                     if self.router is not None:
@@ -342,8 +336,7 @@ class Simulator:
                  ) -> RequestRecord:
         if self.router is not None:
             self.router.completed(str(replica.index))
-        return RequestRecord(request.cls, False, status, error, arrival=self.now,
-                             replica=replica.index)
+        return RequestRecord(request.cls, False, status, error, arrival=self.now)
 
     def _route(self, prompt: list[int]) -> Replica:
         if self.router is None:
@@ -384,7 +377,7 @@ class Simulator:
         return [o for o in outputs if o.finished], aborted
 
     @staticmethod
-    def _record(out: RequestOutput, cls: str, replica: int) -> RequestRecord:
+    def _record(out: RequestOutput, cls: str) -> RequestRecord:
         m = out.metrics
         tokens = sum(len(c.token_ids) for c in out.outputs)
         ok = out.error is None and tokens > 0 and m.first_token_time is not None
@@ -392,5 +385,4 @@ class Simulator:
             cls, ok, 200 if ok else 500, out.error or ("" if ok else "no tokens"),
             arrival=m.arrival_time,
             ttft=(m.first_token_time - m.arrival_time) if m.first_token_time is not None else 0.0,
-            e2e=(m.finished_time or m.arrival_time) - m.arrival_time, output_tokens=tokens,
-            replica=replica, num_preemptions=m.num_preemptions)
+            e2e=(m.finished_time or m.arrival_time) - m.arrival_time, output_tokens=tokens)
