@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.7.1
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: run test clean
+.PHONY: run test clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,15 @@ $(VENV)/.test: $(VENV)/.base
 run: $(VENV)/.base
 	$(BIN)/inflight generate --chat --max-tokens 64 "$(PROMPT)"
 
-test: $(VENV)/.test
+# The dashboard's browser test drives Debian's Chromium; where it cannot be
+# installed (not root, no apt-get) that one test skips and says why.
+browser:
+	@command -v chromedriver >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends chromium chromium-driver >/dev/null; } \
+	  || echo "note: Chromium could not be installed; the dashboard's browser test will skip"
+
+test: $(VENV)/.test browser
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -169,6 +169,31 @@ def test_metrics_count_both_replicas(deployment):
     assert metric(text, "inflight:router_prompt_tokens_total") > 0
 
 
+def test_the_dashboard_follows_each_replica(deployment):
+    from test_dashboard import read_feed
+
+    assert httpx.get(f"{deployment}/dashboard", timeout=30).status_code == 200
+    assert httpx.get(f"{deployment}/dashboard/feed", timeout=30).status_code == 401
+    hello = read_feed(f"{deployment}/dashboard/feed", 0.5, HEADERS)["hello"][0]
+    assert len(hello["replicas"]) == 2
+    served = 0
+    for rid in hello["replicas"]:
+        events = read_feed(f"{deployment}/dashboard/feed?replica={rid}", 1.5, HEADERS)
+        assert events["hello"][0]["replica"] == rid
+        # The backlog: the steps this replica ran for the tests before this one.
+        columns = [c for frame in events.get("steps", []) for c in frame["columns"]]
+        recent = events["summary"][0]["recent"]
+        served += len(recent)
+        if recent:
+            assert columns
+            history = httpx.get(f"{deployment}/dashboard/requests/{recent[0]['request_id']}",
+                                params={"replica": rid}, headers=HEADERS, timeout=30)
+            assert history.status_code == 200 and history.json()["events"][0]["event"] == "queued"
+    assert served >= 10
+    response = httpx.get(f"{deployment}/dashboard/feed?replica=nope", headers=HEADERS, timeout=30)
+    assert response.status_code == 404
+
+
 def test_a_disconnect_aborts_the_request(deployment):
     before = metric(scrape(deployment), "inflight:request_success_total", finished_reason="abort")
     with httpx.stream("POST", f"{deployment}/v1/completions", headers=HEADERS, timeout=60,

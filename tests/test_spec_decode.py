@@ -144,6 +144,12 @@ OPTIONS = dict(
 # back into the blocks its computed tokens need.
 @example(k=1, proposer="adversarial", caching=False, preemption="swap", num_blocks=12,
          budget=16, forks=True, policy="fair", preempt_for_priority=True, seed=1)
+# Found by this test: two prompts that could not both fit took turns at the token
+# budget (the fair policy's newcomer went first) and evicted each other before
+# either finished its prompt, for ever. A prompt chunk now gives way only to a
+# newcomer that fits in the free blocks.
+@example(k=1, proposer="oracle", caching=False, preemption="recompute", num_blocks=12,
+         budget=6, forks=True, policy="fair", preempt_for_priority=True, seed=415)
 def test_drafts_never_change_greedy_outputs(k, proposer, caching, preemption, num_blocks,
                                             budget, forks, policy, preempt_for_priority, seed):
     def options():

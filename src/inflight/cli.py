@@ -206,6 +206,21 @@ def build_parser() -> argparse.ArgumentParser:
                           "two runs of 'inflight serve' (--no-serving: offline steps only)")
     cal.set_defaults(func=_bench_calibrate)
 
+    db = bench.add_parser("dashboard", help="engine throughput with the dashboard open vs without "
+                                            "(alternating rounds on one server)")
+    add_engine_args(db)
+    db.add_argument("--viewer", choices=("sse", "chromium"), default="sse",
+                    help="sse: a reader of /dashboard/feed (the server's cost); chromium: the "
+                         "page in headless Chromium (plus the browser's, on these cores)")
+    db.add_argument("--num-requests", type=int, default=64, help="requests per round (chat)")
+    db.add_argument("--concurrency", type=int, default=32)
+    db.add_argument("--max-tokens", type=int, default=None, help="override each request's")
+    db.add_argument("--rounds", type=int, default=3, help="pairs of rounds (off/on, on/off, ...)")
+    db.add_argument("--screenshot", default=None,
+                    help="PNG of the page under load (with --viewer chromium)")
+    db.add_argument("--output-json", default=None)
+    db.set_defaults(func=_bench_dashboard)
+
     sw = bench.add_parser("sweep", help="continuous vs static over batch sizes, with plots")
     _add_bench_args(sw)
     sw.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
@@ -339,6 +354,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if args.plot_summary:
         serving.plot_summary(runs, Path(args.plot_summary))
     return 0
+
+
+def _bench_dashboard(args: argparse.Namespace) -> int:
+    from inflight.bench import dashboard_cost
+
+    return dashboard_cost.command(args, engine_config_from_args(args))
 
 
 def _bench_sweep(args: argparse.Namespace) -> int:

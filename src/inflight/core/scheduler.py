@@ -312,9 +312,14 @@ class Scheduler:
     def _outranked_by_waiting(self, request: Request) -> bool:
         """With preempt_for_priority, a running request's prompt chunk waits while
         the next waiting request outranks it: the newcomer gets the token budget,
-        and its step stays short (decodes are never held back)."""
-        return (self.preempt_for_priority and len(self.policy) > 0
-                and self.policy.precedes(self.policy.peek(), request))
+        and its step stays short (decodes are never held back). Only when the
+        newcomer's tokens fit in the free blocks: else the two prompts would
+        take turns evicting each other (recompute) and neither would finish."""
+        if not (self.preempt_for_priority and len(self.policy) > 0):
+            return False
+        newcomer = self.policy.peek()
+        return (self.policy.precedes(newcomer, request) and newcomer.num_tokens
+                <= self.kv_cache.num_free_blocks * self.kv_cache.block_size)
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float,
                held_back: list[Request]) -> tuple[bool, bool, int]:

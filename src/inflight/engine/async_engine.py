@@ -31,6 +31,7 @@ from inflight.engine.client import EngineLoad, ModelInfo, TokenizerOps
 from inflight.engine.engine_core import EngineCore, PreparedRequest, PromptType, StepStats
 from inflight.engine.factory import build_engine_core
 from inflight.engine.output import OutputKind, RequestOutput
+from inflight.engine.step_log import LocalStepLog, StepLog
 from inflight.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class AsyncEngine(TokenizerOps):
         ``max_queue_wait``: end with QueueTimeoutError a request not scheduled
         within this many seconds. ``on_step`` sees every step's stats and
         ``on_abort`` the number of requests each abort ended (metrics).
-        ``build`` makes the EngineCore (in the loop thread)."""
+        ``build`` makes the EngineCore (in the loop thread). The loop records
+        every submission, step and abort in ``step_log`` (the dashboard's
+        source, read from any thread)."""
         for name, value in (("max_waiting_requests", max_waiting_requests),
                             ("max_waiting_per_tenant", max_waiting_per_tenant)):
             if value is not None and value < 1:
@@ -94,6 +97,7 @@ class AsyncEngine(TokenizerOps):
         self.max_queue_wait = max_queue_wait
         self._on_step = on_step
         self._on_abort = on_abort
+        self.step_log = StepLog()
         self._lock = threading.Condition()
         self._inbox: list[tuple[str, Any]] = []
         self._streams: dict[str, _Stream] = {}
@@ -129,6 +133,9 @@ class AsyncEngine(TokenizerOps):
 
     def load(self) -> EngineLoad:
         return self._load
+
+    def step_logs(self) -> dict[str, LocalStepLog]:
+        return {"engine": LocalStepLog(self.step_log, self.load)}
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -234,6 +241,7 @@ class AsyncEngine(TokenizerOps):
         finally:
             self._built.set()
         core = self.core
+        self.step_log.capacity = core.scheduler.max_num_seqs
         try:
             while True:
                 with self._lock:
@@ -258,9 +266,11 @@ class AsyncEngine(TokenizerOps):
                         self._fail(rid, QueueTimeoutError(
                             f"request waited more than max_queue_wait={self.max_queue_wait} s "
                             "without being scheduled"))
+                        self.step_log.ended(rid, [], "timed out in the queue")
                 if core.has_unfinished_requests():
                     outputs = core.step()
                     self._deliver(outputs)
+                    self.step_log.stepped(core.last_step)
                     if self._on_step is not None:
                         self._on_step(core.last_step)
                 # After every pass, steps or not: an abort on an idle engine
@@ -286,13 +296,20 @@ class AsyncEngine(TokenizerOps):
             self.core.submit(prepared)
         except ValueError as e:
             self._fail(prepared.request_id, e)
+            return
+        first = prepared.sequences[0]
+        self.step_log.submitted(prepared.request_id, [s.request_id for s in prepared.sequences],
+                                len(prepared.prompt_token_ids), first.arrival_time, first.tenant,
+                                first.priority)
 
     def _abort(self, request_id: str) -> None:
-        ended = len(self.core.output_processor.sequence_ids(request_id))
+        sequences = self.core.output_processor.sequence_ids(request_id)
+        ended = len(sequences)
         self.core.abort_request(request_id)
         if ended and self._on_abort is not None:
             self._on_abort(ended)
         if ended:
+            self.step_log.ended(request_id, list(sequences), "aborted")
             self._fail(request_id, RequestAbortedError(f"request {request_id!r} was aborted"))
 
     def _fail(self, request_id: str, error: BaseException) -> None:

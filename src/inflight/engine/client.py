@@ -32,6 +32,23 @@ class EngineLoad:
     num_cached_blocks: int = 0    # blocks findable in the prefix cache
 
 
+class StepLogSource(Protocol):
+    """What the dashboard reads of one engine: its ``engine.step_log.StepLog``,
+    in process or through a replica."""
+
+    async def info(self) -> dict[str, int]:
+        """``capacity`` (max_num_seqs) and ``next_step`` (the next step's number)."""
+
+    async def steps_since(self, cursor: int, limit: int) -> list[dict[str, Any]]: ...
+
+    async def summary(self) -> dict[str, Any]: ...
+
+    async def history(self, request_id: str) -> dict[str, Any] | None: ...
+
+    def load(self) -> EngineLoad:
+        """This engine's load, current even when no step runs."""
+
+
 class EngineClient(Protocol):
     @property
     def model_info(self) -> ModelInfo: ...
@@ -51,6 +68,9 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def reset_prefix_cache(self) -> int: ...
+
+    def step_logs(self) -> dict[str, StepLogSource]:
+        """The step log of each engine (one per replica), by name."""
 
     # Tokenizer operations; ValueError when the engine has no tokenizer.
     @property

@@ -59,18 +59,28 @@ class StepStats:
     num_preempted: int = 0
     seconds: float = 0.0
     request_ids: list[str] = field(default_factory=list)  # the batch, in order
+    # Per row of ``request_ids``: tokens computed, of those prompt tokens (a row
+    # with prompt tokens ran a prompt chunk), and tokens computed before the step.
+    new_tokens: list[int] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    computed_before: list[int] = field(default_factory=list)
     padding_ids: list[str] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
     kv_cache_usage: float = 0.0
     # Prompt tokens looked up in the prefix cache at admission, and found there.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     # Per-sequence events of the step, for latency metrics:
     generation_tokens: int = 0
-    # (time to first token, time queued before first scheduled, prompt tokens)
+    # (time to first token, time queued before first scheduled, prompt tokens),
+    # and the sequences they belong to
     first_tokens: list[tuple[float, float, int]] = field(default_factory=list)
+    first_token_ids: list[str] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
-    # (finish reason, end-to-end seconds, prompt tokens, generated tokens)
+    # (finish reason, end-to-end seconds, prompt tokens, generated tokens), and
+    # the sequences they belong to
     finished: list[tuple[str, float, int, int]] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
     spec: SpecStats | None = None  # drafts verified (speculative decoding)
 
 
@@ -249,13 +259,19 @@ class EngineCore:
             self.speculator.forget(out.finished_request_ids)
         self.runner.move_blocks(out)
         if not out.requests:
+            # Nothing to compute; preemptions (all of the batch gave way) still count.
             self.last_step = StepStats(num_waiting=self.scheduler.num_waiting,
+                                       num_running=self.scheduler.num_running,
+                                       num_preempted=len(out.preempted_request_ids),
+                                       preempted_ids=list(out.preempted_request_ids),
                                        kv_cache_usage=kv.usage)
             self._record_finished(self.last_step, out.expired)
             return self.output_processor.process([], {}, out.expired, {}, self._finish_sequence)
-        prompt_tokens = sum(min(n, max(0, r.num_prompt_tokens - r.num_computed_tokens))
-                            for r, n in zip(out.requests, out.num_new_tokens))
-        live_ids = [r.request_id for r in out.requests if not r.padding]
+        live = [(r, n) for r, n in zip(out.requests, out.num_new_tokens) if not r.padding]
+        computed_before = [r.num_computed_tokens for r, _ in live]
+        row_prompt_tokens = [min(n, max(0, r.num_prompt_tokens - done))
+                             for (r, n), done in zip(live, computed_before)]
+        live_ids = [r.request_id for r, _ in live]
         padding_ids = [r.request_id for r in out.requests if r.padding]
         last_token_times = {r.request_id: r.last_token_time for r in out.requests}
         result = self.runner.execute(out)
@@ -269,11 +285,14 @@ class EngineCore:
         stats = StepStats(
             num_requests=len(live_ids), num_padding=len(padding_ids),
             num_tokens=out.total_num_tokens,
-            num_prompt_tokens=prompt_tokens, num_running=self.scheduler.num_running,
+            num_prompt_tokens=sum(row_prompt_tokens), num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_preempted=len(out.preempted_request_ids),
             seconds=time.perf_counter() - start,
-            request_ids=live_ids, padding_ids=padding_ids,
+            request_ids=live_ids, new_tokens=[n for _, n in live],
+            prompt_tokens=row_prompt_tokens,
+            computed_before=computed_before, padding_ids=padding_ids,
+            preempted_ids=list(out.preempted_request_ids),
             kv_cache_usage=kv.usage,
             generation_tokens=self.scheduler.stats.num_generated_tokens - generated,
             prefix_cache_queries=kv.prefix_cache_queries - queries,
@@ -284,6 +303,7 @@ class EngineCore:
                 stats.first_tokens.append((seq.first_token_time - seq.arrival_time,
                                            seq.first_scheduled_time - seq.arrival_time,
                                            seq.num_prompt_tokens))
+                stats.first_token_ids.append(seq.request_id)
             else:
                 stats.inter_token_latencies.append(seq.last_token_time - previous)
         if self.speculator is not None:
@@ -301,6 +321,7 @@ class EngineCore:
         for seq in finished:
             stats.finished.append((seq.finish_reason.value, seq.finished_time - seq.arrival_time,
                                    seq.num_prompt_tokens, seq.num_output_tokens))
+            stats.finished_ids.append(seq.request_id)
 
     def reset_prefix_cache(self) -> int:
         """Forget all cached KV blocks; returns how many were forgotten."""

@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.async_engine import EngineDeadError
-from inflight.engine.client import EngineLoad, ModelInfo, TokenizerOps
+from inflight.engine.client import EngineLoad, ModelInfo, StepLogSource, TokenizerOps
 from inflight.engine.output import RequestOutput
 from inflight.ray.replica import ReplicaDescription
 from inflight.ray.router import PIN, InflightRequestRouter
@@ -106,20 +106,25 @@ class RayEngineClient(TokenizerOps):
         counts = await self.on_every_replica("reset_prefix_cache")
         return sum(counts.values())
 
+    def step_logs(self) -> dict[str, StepLogSource]:
+        return {rid: ReplicaStepLog(self, rid) for rid in self.replica_ids}
+
+    async def on_replica(self, rid: str, method: str, **kwargs: Any) -> Any:
+        """``method(**kwargs)`` called on replica ``rid``."""
+        with _own_internal_request_id():
+            response = getattr(self.handle, method).remote(**kwargs, **{PIN: rid})
+        try:
+            return await asyncio.wait_for(response, PINNED_CALL_TIMEOUT_S)
+        except BaseException:
+            response.cancel()
+            raise
+
     async def on_every_replica(self, method: str) -> dict[str, Any]:
         """``method`` called on each live replica: replica id -> result;
         replicas that do not answer in time are left out."""
-        async def one(rid: str) -> Any:
-            with _own_internal_request_id():
-                response = getattr(self.handle, method).remote(**{PIN: rid})
-            try:
-                return await asyncio.wait_for(response, PINNED_CALL_TIMEOUT_S)
-            except BaseException:
-                response.cancel()
-                raise
-
         ids = self.replica_ids
-        results = await asyncio.gather(*(one(rid) for rid in ids), return_exceptions=True)
+        results = await asyncio.gather(*(self.on_replica(rid, method) for rid in ids),
+                                       return_exceptions=True)
         answered = {}
         for rid, result in zip(ids, results):
             if isinstance(result, Exception):
@@ -129,6 +134,35 @@ class RayEngineClient(TokenizerOps):
             else:
                 answered[rid] = result
         return answered
+
+
+class ReplicaStepLog:
+    """One replica's step log as an ``engine.client.StepLogSource``: pinned
+    calls to that replica; its load is the router's last report of it."""
+
+    def __init__(self, client: RayEngineClient, rid: str) -> None:
+        self.client = client
+        self.rid = rid
+
+    async def info(self) -> dict[str, int]:
+        return await self.client.on_replica(self.rid, "step_log_info")
+
+    async def steps_since(self, cursor: int, limit: int) -> list[dict[str, Any]]:
+        return await self.client.on_replica(self.rid, "step_log_steps", cursor=cursor,
+                                            limit=limit)
+
+    async def summary(self) -> dict[str, Any]:
+        return await self.client.on_replica(self.rid, "step_log_summary")
+
+    async def history(self, request_id: str) -> dict[str, Any] | None:
+        return await self.client.on_replica(self.rid, "step_log_history", request_id=request_id)
+
+    def load(self) -> EngineLoad:
+        router = self.client.router
+        report = router.reports.get(self.rid, {}) if router is not None else {}
+        return EngineLoad(num_waiting=report.get("num_waiting", 0),
+                          num_running=report.get("num_running", 0),
+                          kv_cache_usage=report.get("kv_cache_usage", 0.0))
 
 
 @contextmanager

@@ -81,6 +81,20 @@ class EngineReplica:
     def metrics_snapshot(self, **_: Any) -> list[Family]:
         return snapshot(self.metrics.registry)
 
+    # The dashboard's reads of this replica's step log (engine.step_log).
+    def step_log_info(self, **_: Any) -> dict[str, int]:
+        log = self.engine.step_log
+        return {"capacity": log.capacity, "next_step": log.next_step}
+
+    def step_log_steps(self, cursor: int, limit: int, **_: Any) -> list[dict[str, Any]]:
+        return self.engine.step_log.steps_since(cursor, limit)
+
+    def step_log_summary(self, **_: Any) -> dict[str, Any]:
+        return self.engine.step_log.summary()
+
+    def step_log_history(self, request_id: str, **_: Any) -> dict[str, Any] | None:
+        return self.engine.step_log.history(request_id)
+
     async def record_routing_stats(self) -> dict[str, Any]:
         load = self.engine.load()
         hashes = await self.engine.cached_block_hashes()

@@ -1,5 +1,5 @@
 """The FastAPI application: OpenAI-compatible routes, /health, /metrics,
-/tokenize and /detokenize; OpenAI-shaped errors for every failure."""
+/tokenize, /detokenize and the dashboard; OpenAI-shaped errors for every failure."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from inflight.engine.async_engine import (EngineDeadError, QueueFullError, Queue
                                           RequestAbortedError, RequestFailedError)
 from inflight.engine.client import EngineClient
 from inflight.server import protocol as p
+from inflight.server.dashboard import add_dashboard
+from inflight.server.errors import APIError
 from inflight.server.openai_serving import InvalidRequest, OpenAIServing, check_body, error_json
 
 logger = logging.getLogger(__name__)
@@ -29,19 +31,9 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_SECONDS = 1
 # How often a non-streaming request checks whether its client went away.
 DISCONNECT_POLL_SECONDS = 0.05
-OPEN_PATHS = ("/health", "/metrics")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_json(str(self), self.kind, self.param, self.code),
-                            status_code=self.status, headers=self.headers)
+# Open even with an API key: health, metrics and the dashboard's page (not its feed).
+OPEN_PATHS = ("/health", "/metrics", "/dashboard/static/")
+OPEN_PAGES = ("/dashboard", "/dashboard/")
 
 
 def _to_api_error(e: BaseException) -> APIError:
@@ -211,11 +203,12 @@ def build_app(engine: EngineClient, *, model_name: str, metrics: MetricsSource,
                            "invalid_request_error", "tokens")
         return p.DetokenizeResponse(prompt=engine.decode(req.tokens, False))
 
+    add_dashboard(app, engine, model_name)
     return app
 
 
 class _Guard:
-    """ASGI middleware: the API key on every path but /health and /metrics."""
+    """ASGI middleware: the API key on every path but the open ones."""
 
     def __init__(self, app: Any, api_key: str | None) -> None:
         self.app = app
@@ -223,7 +216,8 @@ class _Guard:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if (scope["type"] == "http" and self.expected is not None
-                and not scope["path"].startswith(OPEN_PATHS)):
+                and not scope["path"].startswith(OPEN_PATHS)
+                and scope["path"] not in OPEN_PAGES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = APIError(401, "Invalid or missing API key (send it as an "

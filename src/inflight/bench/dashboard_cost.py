@@ -1,0 +1,224 @@
+"""``inflight bench dashboard``: what an open dashboard costs the engine.
+
+One ``inflight serve`` in a subprocess serves the same closed-loop load
+(chat-shaped requests from two tenants) after a round to warm up, several
+times, alternately with no viewer and with one (in the order off, on, on, off,
+... so that a drift of the machine falls on both alike): either a reader of
+``/dashboard/feed`` that parses every frame as the page does (``sse``: what the
+server pays), or the page itself in headless Chromium (``chromium``: the
+server's cost plus the browser's, on the same cores here). It reports each
+round's output tokens per second and the ratio of the means, and can save a
+screenshot of the page under load.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from inflight.bench import serving
+from inflight.bench.server_process import ServerProcess
+from inflight.config import EngineConfig
+from inflight.engine.engine_core import StepStats
+from inflight.engine.step_log import StepLog
+from inflight.server.dashboard import (BACKLOG_STEPS, FEED_COLUMNS, FEED_INTERVAL_S,
+                                       SUMMARY_EVERY_S, coalesce, event)
+
+VIEWERS = ("sse", "chromium")
+
+
+def feed_reader(url: str, stop: threading.Event, counts: dict[str, int]) -> None:
+    """Read the feed until ``stop``, decoding every event as the page does."""
+    with httpx.stream("GET", f"{url}/dashboard/feed", timeout=30) as response:
+        buffer = ""
+        for chunk in response.iter_text():
+            buffer += chunk
+            *blocks, buffer = buffer.split("\n\n")
+            for block in blocks:
+                name, data = block.split("\n", 1)
+                json.loads(data.removeprefix("data: "))
+                counts[name] = counts.get(name, 0) + 1
+            if stop.is_set():
+                return
+
+
+@contextmanager
+def sse_viewer(url: str) -> Iterator[dict[str, int]]:
+    stop, counts = threading.Event(), {}
+    thread = threading.Thread(target=feed_reader, args=(url, stop, counts), daemon=True)
+    thread.start()
+    try:
+        yield counts
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+def chromium_driver() -> Any:
+    """Headless Chromium through Selenium (the test extra), or a clear error."""
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        raise ValueError("--viewer chromium needs selenium (pip install selenium)") from None
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if browser is None or driver_path is None:
+        raise ValueError("--viewer chromium needs chromium and chromedriver on PATH "
+                         "(Debian: apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--window-size=1500,1100"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(driver_path), options=options)
+
+
+class SyntheticDecode:
+    """Decode steps of ``sequences`` sequences into a StepLog on a virtual
+    clock (``step_seconds`` a step), one finishing and one admitted every 16."""
+
+    def __init__(self, sequences: int, step_seconds: float) -> None:
+        self.now = 0.0
+        self.step_seconds = step_seconds
+        self.log = StepLog(clock=lambda: self.now)
+        self.ids = [f"seq-{i}" for i in range(sequences)]
+        self.fresh = sequences
+        for seq in self.ids:
+            self.log.submitted(seq, [seq], 100, 0.0, tenant="t" + seq[-1])
+
+    def run(self, steps: int) -> None:
+        n = len(self.ids)
+        for step in range(steps):
+            self.now += self.step_seconds
+            stats = StepStats(num_requests=n, num_tokens=n, request_ids=list(self.ids),
+                              new_tokens=[1] * n, prompt_tokens=[0] * n,
+                              computed_before=[100] * n, generation_tokens=n,
+                              inter_token_latencies=[self.step_seconds] * n, num_running=n)
+            ends = self.log.next_step % 16 == 15
+            if ends:
+                stats.finished, stats.finished_ids = [("length", 1.0, 100, 50)], [self.ids[0]]
+            self.log.stepped(stats)
+            if ends:
+                self.ids = self.ids[1:] + [f"seq-{self.fresh}"]
+                self.log.submitted(self.ids[-1], [self.ids[-1]], 100, self.now)
+                self.fresh += 1
+
+
+def recording_cost(sequences: int, steps: int = 2000) -> float:
+    """Seconds ``StepLog.stepped`` takes per decode step of ``sequences``
+    sequences: the whole of what the engine loop pays per step."""
+    decode = SyntheticDecode(sequences, 0.05)
+    start = time.perf_counter()
+    decode.run(steps)
+    return (time.perf_counter() - start) / steps
+
+
+def feed_cost(sequences: int, steps_per_frame: int, frames: int = 480) -> float:
+    """CPU seconds the server spends per second of an open feed at its default
+    rates (a frame every 0.25 s holding ``steps_per_frame`` new steps, a
+    summary every 2 s): reading the log, merging, encoding."""
+    decode = SyntheticDecode(sequences, FEED_INTERVAL_S / steps_per_frame)
+    decode.run(BACKLOG_STEPS)
+    spent = 0.0
+    for i in range(frames):
+        decode.run(steps_per_frame)
+        start = time.process_time()
+        event("steps", {"columns": coalesce(
+            decode.log.steps_since(decode.log.next_step - steps_per_frame, BACKLOG_STEPS),
+            FEED_COLUMNS)})
+        if i % round(SUMMARY_EVERY_S / FEED_INTERVAL_S) == 0:
+            event("summary", decode.log.summary())
+        spent += time.process_time() - start
+    return spent / (frames * FEED_INTERVAL_S)
+
+
+def run(config: EngineConfig, *, requests: int, concurrency: int, rounds: int, viewer: str,
+        max_tokens: int | None, screenshot: str | None) -> dict[str, Any]:
+    if viewer not in VIEWERS:
+        raise ValueError(f"--viewer must be one of {', '.join(VIEWERS)}")
+    if rounds < 1 or requests < 1 or concurrency < 1:
+        raise ValueError("--rounds, --num-requests and --concurrency must be >= 1")
+    if screenshot is not None and viewer != "chromium":
+        raise ValueError("--screenshot needs --viewer chromium")
+    # The chat scenario's shapes, from two tenants (so that the page has shares to show).
+    chat = serving.SCENARIOS["chat"][0]
+    specs = serving.build_requests([replace(chat, name=f"tenant-{t}", user=f"tenant-{t}",
+                                            rate=1000.0) for t in "ab"], 3600.0, 0, requests)
+    if max_tokens is not None:
+        specs = [replace(s, max_tokens=max_tokens) for s in specs]
+    order = [on for pair in range(rounds) for on in ((False, True) if pair % 2 == 0
+                                                      else (True, False))]
+    recording = {n: recording_cost(n) for n in (32, 128)}
+    print("recording a step in the StepLog (the engine loop's share): " + ", ".join(
+        f"{seconds * 1e6:.0f} us at {n} sequences" for n, seconds in recording.items()))
+    # Steps per frame: about this engine's decode rate (here), and a tiny model's.
+    feed = {f"{n} sequences, {k} steps a frame": feed_cost(n, k) for n in (32, 128)
+            for k in (4, 60)}
+    print("serving an open feed (the server's share, % of a core): " + ", ".join(
+        f"{100 * share:.2f} at {what}" for what, share in feed.items()))
+    driver = chromium_driver() if viewer == "chromium" else None
+    results: list[dict[str, Any]] = []
+    try:
+        with ServerProcess(config) as url:
+            model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+            serving.run(url, model, specs, concurrency, None, None)  # a round to warm up
+            for i, on in enumerate(order):
+                frames: dict[str, int] = {}
+                if on and driver is not None:
+                    driver.get(f"{url}/dashboard")
+                    time.sleep(1.0)
+                    # Under load: halfway through the round, by the last round's length.
+                    shot = screenshot if i == max(j for j, o in enumerate(order) if o) else None
+                    timer = (threading.Timer(results[-1]["wall_seconds"] / 2,
+                                             driver.save_screenshot, (shot,))
+                             if shot and results else None)
+                    if timer:
+                        timer.start()
+                    data = serving.run(url, model, specs, concurrency, None, None)
+                    if timer:
+                        timer.join()
+                    driver.get("about:blank")
+                elif on:
+                    with sse_viewer(url) as frames:
+                        data = serving.run(url, model, specs, concurrency, None, None)
+                else:
+                    data = serving.run(url, model, specs, concurrency, None, None)
+                overall = data["overall"]
+                tokens = overall["output_tokens_per_second"]
+                results.append({"viewer": on, "output_tokens_per_second": tokens,
+                                "wall_seconds": data["wall_seconds"], "frames": dict(frames),
+                                "failed": overall["failed"]})
+                print(f"  round {i + 1}/{len(order)}  {'with' if on else 'without'} "
+                      f"{viewer:<8} {tokens:8.1f} output tok/s  "
+                      f"({data['wall_seconds']:.1f} s{', frames ' + str(frames) if frames else ''})",
+                      flush=True)
+    finally:
+        if driver is not None:
+            driver.quit()
+    off = [r["output_tokens_per_second"] for r in results if not r["viewer"]]
+    on_ = [r["output_tokens_per_second"] for r in results if r["viewer"]]
+    ratio = statistics.fmean(on_) / statistics.fmean(off)
+    print(f"\nwithout a viewer {statistics.fmean(off):.1f} tok/s, with {viewer} "
+          f"{statistics.fmean(on_):.1f} tok/s: ratio {ratio:.3f}")
+    return {"viewer": viewer, "rounds": results, "ratio": ratio,
+            "recording_seconds_per_step": recording, "feed_cpu_share": feed,
+            "requests": requests, "concurrency": concurrency}
+
+
+def command(args: Any, config: EngineConfig) -> int:
+    data = run(config, requests=args.num_requests, concurrency=args.concurrency,
+               rounds=args.rounds, viewer=args.viewer, max_tokens=args.max_tokens,
+               screenshot=args.screenshot)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(data, indent=2))
+    return 0

@@ -1,0 +1,458 @@
+"""The dashboard: the engine's step log (slots, histories, summaries) over every
+policy and option, the feed's coalescing, its routes and API key, and the page
+itself in headless Chromium against a live server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from server_helpers import start_server
+from test_sim import FakeRunner, make_config, make_trace, options, request_spec
+
+from inflight.config import EngineConfig
+from inflight.core.sampling_params import SamplingParams
+from inflight.engine.client import ModelInfo
+from inflight.engine.engine_core import EngineCore
+from inflight.engine.factory import build_scheduler
+from inflight.engine.output import OutputProcessor
+from inflight.engine.step_log import StepLog
+from inflight.server.dashboard import coalesce
+from inflight.sim.runner import VirtualClock
+
+
+def run_logged(config, trace, aborts: list[tuple[int, int]]) -> tuple[StepLog, list, EngineCore]:
+    """A plain engine loop in virtual time with a StepLog fed as AsyncEngine
+    feeds it; ``aborts``: (step, request index) pairs."""
+    clock = VirtualClock()
+    runner = FakeRunner(clock, config.num_kv_blocks, config.num_host_blocks,
+                        config.max_model_len)
+    core = EngineCore(build_scheduler(config.engine, runner, clock), runner,
+                      OutputProcessor(None), model=ModelInfo("x", config.max_model_len, 2**31),
+                      tokenizer=None, clock=clock)
+    log = StepLog(max_steps=100_000, clock=clock)
+    order = sorted(range(len(trace)), key=lambda i: trace[i].arrival)
+    stats = []
+    step = 0
+    while order or core.has_unfinished_requests():
+        if not core.has_unfinished_requests() and clock.now < trace[order[0]].arrival:
+            clock.now = trace[order[0]].arrival
+        while order and trace[order[0]].arrival <= clock.now:
+            i = order.pop(0)
+            r = trace[i]
+            try:
+                prepared = core.prepare_request(
+                    {"prompt_token_ids": r.prompt_token_ids},
+                    SamplingParams(n=r.n, max_tokens=r.output_len, ignore_eos=True,
+                                   temperature=0.0 if r.n == 1 else 1.0),
+                    request_id=str(i), arrival_time=r.arrival, priority=r.priority,
+                    tenant=r.tenant, deadline_ms=r.deadline_ms)
+                core.submit(prepared)
+            except ValueError:
+                continue
+            log.submitted(prepared.request_id, [s.request_id for s in prepared.sequences],
+                          len(prepared.prompt_token_ids), r.arrival, r.tenant, r.priority)
+        for at, index in aborts:
+            sequences = core.output_processor.sequence_ids(str(index))
+            if at == step and sequences:
+                core.abort_request(str(index))
+                log.ended(str(index), sequences, "aborted")
+        start = clock.now
+        core.step()
+        log.stepped(core.last_step)
+        stats.append(core.last_step)
+        step += 1
+        if clock.now == start:
+            clock.advance(0.01)
+    return log, stats, core
+
+
+@settings(max_examples=200, deadline=None)
+@given(o=options, specs=st.lists(request_spec, min_size=1, max_size=10),
+       aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 9)), max_size=3))
+def test_slots_follow_the_running_batch_under_every_policy_and_option(o, specs, aborts):
+    """Each step: one cell per slot, a prompt or decode cell for every sequence
+    computed, slots below max_num_seqs and held by running sequences only; a
+    slot freed is the lowest taken next; at the end every slot is free and
+    every request's history is whole."""
+    config = make_config(o)
+    trace = make_trace(specs)
+    log, stats, core = run_logged(config, trace, aborts)
+    records = log.steps_since(0, 100_000)
+    assert len(records) == len(stats)
+    capacity = config.engine.max_num_seqs
+    slot_of: dict[str, int] = {}
+    for record, step in zip(records, stats):
+        slots = [c[0] for c in record["cells"]]
+        assert len(slots) == len(set(slots)), record
+        assert all(0 <= s < capacity for s in slots), (record, capacity)
+        kinds = {c[1]: c[2] for c in record["cells"]}
+        for seq, prompt in zip(step.request_ids, step.prompt_tokens):
+            assert kinds[seq] == ("p" if prompt else "d")
+        for seq in step.preempted_ids:
+            assert seq not in kinds or kinds[seq] == "x"
+        # A sequence keeps its slot from step to step until it ends or is preempted.
+        for cell in record["cells"]:
+            if cell[1] in slot_of:
+                assert cell[0] == slot_of[cell[1]], (cell, slot_of)
+        slot_of = {c[1]: c[0] for c in record["cells"] if c[2] != "x"}
+        # No more sequences hold slots than the scheduler runs (plus those it
+        # finished this step, still shown in their last cell).
+        held = sum(1 for c in record["cells"] if c[2] != "x")
+        assert held <= step.num_running + len(step.finished_ids)
+    assert not log._holders and not log._live
+    # Every preemption is reported, also in a step that computes nothing.
+    assert sum(s.num_preempted for s in stats) == core.scheduler.stats.num_preemptions
+    for i in range(len(trace)):
+        history = log.history(str(i))
+        if history is None:  # refused at submission
+            continue
+        events = [e["event"] for e in history["events"]]
+        assert events[0] == "queued"
+        assert history["state"] in ("finished", "aborted"), history
+        if history["state"] == "finished":
+            assert events.count("finished") == len(history["sequences"])
+            assert history["output_tokens"] > 0 or "deadline" in history["finish_reasons"]
+            first = history["events"].index(next(e for e in history["events"]
+                                                 if e["event"] == "finished"))
+            assert "scheduled" in events[:first] or "deadline" in history["finish_reasons"]
+
+
+def stats_of(**fields) -> SimpleNamespace:
+    """A StepStats-shaped record for the log's unit tests."""
+    base = dict(request_ids=[], new_tokens=[], prompt_tokens=[], computed_before=[],
+                preempted_ids=[], first_token_ids=[], first_tokens=[], finished_ids=[],
+                finished=[], inter_token_latencies=[], seconds=0.01, num_waiting=0,
+                num_running=0, kv_cache_usage=0.0, num_tokens=0, num_prompt_tokens=0,
+                generation_tokens=0, num_preempted=0, prefix_cache_queries=0,
+                prefix_cache_hits=0)
+    return SimpleNamespace(**{**base, **fields})
+
+
+def decode(*seqs: str, **fields) -> SimpleNamespace:
+    return stats_of(request_ids=list(seqs), new_tokens=[1] * len(seqs),
+                    prompt_tokens=[0] * len(seqs), computed_before=[5] * len(seqs), **fields)
+
+
+def test_a_freed_slot_is_refilled_lowest_first_and_a_preempted_slot_in_the_same_step():
+    now = [100.0]
+    log = StepLog(clock=lambda: now[0])
+    for rid in "abcd":
+        log.submitted(rid, [rid], 5, now[0], tenant="t1" if rid < "c" else None)
+    log.stepped(stats_of(request_ids=["a", "b", "c"], new_tokens=[5, 5, 5],
+                         prompt_tokens=[5, 5, 5], computed_before=[0, 0, 0]))
+    log.stepped(decode("a", "b", "c", finished_ids=["b"], finished=[("stop", 1.0, 5, 2)]))
+    log.stepped(decode("a", "c", "d"))  # d takes b's slot, the lowest free
+    log.stepped(decode("a", "d", preempted_ids=["c"]))
+    records = log.steps_since(0, 10)
+    assert [sorted(c[:3] for c in r["cells"]) for r in records] == [
+        [[0, "a", "p"], [1, "b", "p"], [2, "c", "p"]],
+        [[0, "a", "d"], [1, "b", "d"], [2, "c", "d"]],
+        [[0, "a", "d"], [1, "d", "d"], [2, "c", "d"]],
+        [[0, "a", "d"], [1, "d", "d"], [2, "c", "x"]]]
+    log.submitted("e", ["e"], 5, now[0])
+    # e is admitted in the step that preempts d: it takes d's slot at once.
+    log.stepped(stats_of(request_ids=["a", "e"], new_tokens=[1, 5], prompt_tokens=[0, 5],
+                         computed_before=[5, 0], preempted_ids=["d"]))
+    cells = sorted(log.steps_since(4, 10)[0]["cells"])
+    assert cells == [[0, "a", "d", 1], [1, "e", "p", 5, "d"]]
+    # A running sequence that is not computed keeps its slot, shown as held.
+    log.stepped(decode("e"))
+    assert sorted(log.steps_since(5, 10)[0]["cells"]) == [[0, "a", "h", 0], [1, "e", "d", 1]]
+    history = log.history("d")
+    assert [e["event"] for e in history["events"]] == ["queued", "scheduled", "preempted"]
+    assert history["state"] == "running"
+    log.ended("d", ["d"], "aborted")
+    assert log.history("d")["state"] == "aborted"
+    assert log.history("zzz") is None
+    summary = log.summary()
+    # a: a prompt and four decodes, b: a prompt and one; c: a prompt and two,
+    # d: two decodes, e: a prompt and one.
+    assert summary["tenant_tokens"] == {"t1": 9 + 6, "": 7 + 2 + 6}
+    assert summary["aborted_total"] == 1
+
+
+def test_the_summary_is_over_the_last_window_with_percentiles():
+    now = [1000.0]
+    log = StepLog(window_s=10, clock=lambda: now[0])
+    log.stepped(decode(inter_token_latencies=[9.0] * 5, first_tokens=[(50.0, 0, 1)],
+                       first_token_ids=["gone"], num_tokens=1000, preempted_ids=[],
+                       num_preempted=3))
+    now[0] += 30  # the first second has left the window
+    for i in range(10):
+        log.stepped(decode(inter_token_latencies=[0.01 * (i + 1)], num_tokens=10,
+                           first_tokens=[(0.1 * (i + 1), 0, 1)], first_token_ids=["x"],
+                           prefix_cache_queries=10, prefix_cache_hits=i))
+        now[0] += 1
+    summary = log.summary()
+    assert summary["tokens_per_s"] == pytest.approx(100 / 10)
+    # Percentiles from 2 %-wide bins: of 0.01 ... 0.1 s, and of 0.1 ... 1 s.
+    assert summary["itl_p50"] == pytest.approx(0.05, rel=0.02)
+    assert summary["ttft_p99"] == pytest.approx(1.0, rel=0.02)
+    assert summary["prefix_hit_rate"] == pytest.approx(45 / 100)
+    assert summary["preemptions"] == 0
+    assert len(summary["series"]) == 10
+
+
+def test_steps_since_pages_forward_and_the_ring_forgets_the_oldest():
+    log = StepLog(max_steps=5)
+    for _ in range(8):
+        log.stepped(stats_of())
+    assert [r["step"] for r in log.steps_since(0, 100)] == [3, 4, 5, 6, 7]
+    assert [r["step"] for r in log.steps_since(6, 100)] == [6, 7]
+    assert [r["step"] for r in log.steps_since(0, 2)] == [6, 7]
+    assert log.steps_since(8, 100) == []
+    log = StepLog(max_requests=3)
+    for i in range(5):
+        log.submitted(str(i), [str(i)], 1, 0.0)
+    assert log.history("0") is None and log.history("4") is not None
+    with pytest.raises(ValueError):
+        StepLog(max_steps=0)
+
+
+def record(step: int, cells: list, **fields) -> dict:
+    return {"step": step, "time": float(step), "seconds": 0.01, "cells": cells, "waiting": step,
+            "running": len(cells), "kv_usage": 0.1, "tokens": 1, "prompt_tokens": 0,
+            "generated": 1, "preempted": 0, **fields}
+
+
+def test_coalescing_keeps_the_strongest_cell_and_sums_the_rest():
+    records = [record(0, [[0, "a", "d", 1], [1, "b", "p", 8]]),
+               record(1, [[0, "a", "d", 1], [1, "b", "d", 1]]),
+               record(2, [[0, "c", "p", 4, "a"]], preempted=1),
+               record(3, [[0, "c", "d", 1], [1, "b", "h", 0]])]
+    assert coalesce(records, 10) == [{**r, "steps": [r["step"]] * 2} for r in records]
+    merged = coalesce(records, 2)
+    assert [m["steps"] for m in merged] == [[0, 1], [2, 3]]
+    assert sorted(merged[0]["cells"]) == [[0, "a", "d", 2], [1, "b", "p", 9]]
+    assert sorted(merged[1]["cells"]) == [[0, "c", "p", 5, "a"], [1, "b", "h", 0]]
+    assert merged[1]["waiting"] == 3 and merged[1]["preempted"] == 1
+    assert merged[0]["tokens"] == 2
+    assert len(coalesce([record(i, []) for i in range(1000)], 24)) == 24
+    assert coalesce([], 5) == []
+
+
+# ---------------------------------------------------------------- over HTTP
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model):
+    live = start_server(EngineConfig(model=str(tiny_model("llama-gqa")), kv_cache_memory="64MiB",
+                                     max_num_seqs=4), api_key="sekret")
+    yield live
+    live.stop()
+
+
+def read_feed(url: str, seconds: float, headers: dict) -> dict[str, list]:
+    events: dict[str, list] = {}
+    with httpx.stream("GET", url, headers=headers, timeout=10) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        start, buffer = time.monotonic(), ""
+        for chunk in response.iter_text():
+            buffer += chunk
+            if time.monotonic() - start > seconds:
+                break
+    for block in buffer.split("\n\n")[:-1]:
+        name, data = block.split("\n")
+        events.setdefault(name.removeprefix("event: "), []).append(
+            json.loads(data.removeprefix("data: ")))
+    return events
+
+
+def burst(url: str, count: int, headers: dict | None = None, base: int = 40) -> None:
+    """``count`` completions at once, of varied lengths."""
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=120, headers=headers) as client:
+            responses = await asyncio.gather(*(client.post(f"{url}/v1/completions", json={
+                "prompt": f"request {i} " + "word " * (i % 7), "max_tokens": base + 11 * (i % 6),
+                "ignore_eos": True, "user": f"tenant-{i % 2}"}) for i in range(count)))
+        assert all(r.status_code == 200 for r in responses)
+    asyncio.run(go())
+
+
+def test_the_feed_needs_the_key_the_page_does_not(tiny_server):
+    url, key = tiny_server.url, {"Authorization": "Bearer sekret"}
+    assert httpx.get(f"{url}/dashboard").status_code == 200
+    assert "inflight dashboard" in httpx.get(f"{url}/dashboard").text
+    for name in ("dashboard.js", "uPlot.iife.min.js", "LICENSE-uPlot"):
+        assert httpx.get(f"{url}/dashboard/static/{name}").status_code == 200
+    assert httpx.get(f"{url}/dashboard/static/secret.txt").status_code == 404
+    for path in ("/dashboard/feed", "/dashboard/requests/x"):
+        response = httpx.get(f"{url}{path}")
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    response = httpx.get(f"{url}/dashboard/feed?replica=nope", headers=key)
+    assert response.status_code == 404 and response.json()["error"]["param"] == "replica"
+    assert httpx.get(f"{url}/dashboard/feed?interval=0", headers=key).status_code == 400
+    assert httpx.get(f"{url}/dashboard/requests/nope", headers=key).status_code == 404
+
+
+def test_the_feed_streams_steps_summaries_and_histories(tiny_server):
+    url, key = tiny_server.url, {"Authorization": "Bearer sekret"}
+    sender = threading.Thread(target=burst, args=(url, 16, key))
+    sender.start()
+    events = read_feed(f"{url}/dashboard/feed?interval=0.05&columns=8", 3.0, key)
+    sender.join()
+    hello = events["hello"][0]
+    assert hello["capacity"] == 4 and hello["replicas"] == ["engine"]
+    frames = events["steps"]
+    assert all(len(f["columns"]) <= 8 for f in frames[1:])  # coalesced after the backlog
+    seqs = {c[1] for f in frames for col in f["columns"] for c in col["cells"]}
+    assert len(seqs) >= 8
+    steps = [col["steps"] for f in frames for col in f["columns"]]
+    assert all(a[1] < b[0] for a, b in zip(steps, steps[1:]))  # in order, none twice
+    summary = events["summary"][-1]
+    assert summary["finished"] >= 16 and summary["ttft_p50"] > 0
+    assert set(summary["tenant_tokens"]) == {"tenant-0", "tenant-1"}
+    rid = summary["recent"][0]["request_id"]
+    history = httpx.get(f"{url}/dashboard/requests/{rid}", headers=key).json()
+    assert [e["event"] for e in history["events"]][0] == "queued"
+    assert history["events"][-1]["event"] == "finished" and history["state"] == "finished"
+    assert tiny_server.wait_idle()
+
+
+# ---------------------------------------------------------------- in Chromium
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture
+def browser():
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("Chromium and chromedriver are not installed (`make test` installs Debian's "
+                    "chromium and chromium-driver with apt-get where it runs as root)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--window-size=1500,1100"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def wait_for(driver, script: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = driver.execute_script(script)
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for: {script}")
+
+
+def screenshot(driver, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    driver.save_screenshot(str(path))
+    assert path.stat().st_size > 10_000
+    keep = os.environ.get("INFLIGHT_SCREENSHOT_DIR")
+    if keep:
+        shutil.copy(path, Path(keep) / name)
+    return path
+
+
+def refill_gaps(columns: list[dict]) -> list[int]:
+    """For each slot that passed from one sequence to another while requests
+    waited: the steps between the old sequence's last column and the new one's first."""
+    gaps = []
+    last: dict[int, tuple[str, dict]] = {}
+    for column in columns:
+        for cell in column["cells"]:
+            slot, seq = cell[0], cell[1]
+            before = last.get(slot)
+            if before is not None and before[0] != seq and before[1]["waiting"] > 0:
+                gaps.append(column["steps"][0] - before[1]["steps"][1])
+            last[slot] = (seq, column)
+    return gaps
+
+
+def test_the_page_shows_slots_refilled_and_the_queue_rising_and_falling(browser, tiny_model,
+                                                                       tmp_path):
+    live = start_server(EngineConfig(model=str(tiny_model("llama-gqa")), kv_cache_memory="64MiB",
+                                     max_num_seqs=4))
+    try:
+        browser.get(f"{live.url}/dashboard")
+        wait_for(browser, "return window.inflightDashboard.hello !== null")
+        assert browser.find_element("id", "status").text == "live"
+        sender = threading.Thread(target=burst, args=(live.url, 40, None, 60))
+        sender.start()
+        waiting = []
+        while sender.is_alive():
+            waiting.append(int(browser.find_element("id", "waiting").text or 0))
+            time.sleep(0.05)
+        sender.join()
+        wait_for(browser, "return document.getElementById('waiting').textContent === '0'")
+        waiting.append(0)
+        assert max(waiting) >= 10, waiting  # 40 requests on 4 slots
+        columns = browser.execute_script("return window.inflightDashboard.columns")
+        sequences = {c[1] for col in columns for c in col["cells"]}
+        assert len(sequences) >= 10
+        gaps = refill_gaps(columns)
+        assert len(gaps) >= 10 and max(gaps) <= 3, gaps
+        # The strip is drawn: decode-green and prompt-blue pixels on the canvas.
+        colours = browser.execute_script("""
+            const c = document.getElementById('strip');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let green = 0, blue = 0;
+            for (let i = 0; i < d.length; i += 4) {
+              if (d[i] === 0x2e && d[i + 1] === 0x9e && d[i + 2] === 0x5b) green++;
+              if (d[i] === 0x3b && d[i + 1] === 0x7d && d[i + 2] === 0xdd) blue++;
+            }
+            return [green, blue];""")
+        assert colours[0] > 500 and colours[1] > 10, colours
+        # Hovering a cell names its request; clicking it shows the request's history.
+        target = browser.execute_script("""
+            const L = stripLayout();
+            const i = L.visible.length - 1 - [...L.visible].reverse().findIndex(
+                (col) => col.cells.some((c) => c[2] === 'd'));
+            const cell = L.visible[i].cells.find((c) => c[2] === 'd');
+            const x0 = L.width - L.visible.length * L.colWidth;
+            return [x0 + i * L.colWidth + L.colWidth / 2 - L.width / 2,
+                    cell[0] * L.rowHeight + L.rowHeight / 2 - L.height / 2, cell[1]];""")
+        from selenium.webdriver.common.action_chains import ActionChains
+
+        canvas = browser.find_element("id", "strip")
+        ActionChains(browser).move_to_element_with_offset(
+            canvas, int(target[0]), int(target[1])).click().perform()
+        tip = browser.find_element("id", "tip")
+        assert target[2] in tip.text and "decode" in tip.text
+        wait_for(browser, "return document.querySelectorAll('#history li b').length >= 3")
+        events = [e.text for e in browser.find_elements("css selector", "#history li b")]
+        assert events[0] == "queued" and "finished" in events, events
+        # The summary arrived: latency tiles, tenants and the latest requests.
+        wait_for(browser, "return document.querySelectorAll('#requests tbody tr').length >= 20")
+        assert "ms" in browser.find_element("id", "ttft").text
+        assert "tenant-0" in browser.find_element("id", "tenants").text
+        screenshot(browser, tmp_path, "dashboard-tiny.png")
+        assert live.wait_idle()
+    finally:
+        live.stop()
+
+
+def test_with_an_api_key_the_page_asks_for_it_once(browser, tiny_server, tmp_path):
+    browser.get(f"{tiny_server.url}/dashboard")
+    browser.execute_script("localStorage.clear()")
+    browser.refresh()
+    form = browser.find_element("id", "key-form")
+    wait_for(browser, "return !document.getElementById('key-form').hidden")
+    browser.find_element("id", "key").send_keys("sekret")
+    form.find_element("tag name", "button").click()
+    wait_for(browser, "return window.inflightDashboard.hello !== null")
+    burst(tiny_server.url, 6, {"Authorization": "Bearer sekret"})
+    wait_for(browser, "return window.inflightDashboard.columns.length > 0")
+    browser.refresh()  # the key is remembered
+    wait_for(browser, "return window.inflightDashboard.hello !== null")
+    assert browser.find_element("id", "key-form").is_displayed() is False
+    screenshot(browser, tmp_path, "dashboard-key.png")
