@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from server_helpers import start_server
 from test_sim import FakeRunner, make_config, make_trace, options, request_spec
 
+from inflight.bench.dashboard_cost import chromium_driver
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.client import ModelInfo
@@ -330,15 +331,7 @@ def browser():
     if CHROMIUM is None or CHROMEDRIVER is None:
         pytest.skip("Chromium and chromedriver are not installed (`make test` installs Debian's "
                     "chromium and chromium-driver with apt-get where it runs as root)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                 "--window-size=1500,1100"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver = chromium_driver()
     yield driver
     driver.quit()
 
@@ -413,21 +406,23 @@ def test_the_page_shows_slots_refilled_and_the_queue_rising_and_falling(browser,
             return [green, blue];""")
         assert colours[0] > 500 and colours[1] > 10, colours
         # Hovering a cell names its request; clicking it shows the request's history.
-        target = browser.execute_script("""
+        # (The pointer events go to the cell's page coordinates, computed from
+        # the strip's layout in the same script, so a late frame cannot move it.)
+        tip, sequence = browser.execute_script("""
             const L = stripLayout();
             const i = L.visible.length - 1 - [...L.visible].reverse().findIndex(
                 (col) => col.cells.some((c) => c[2] === 'd'));
             const cell = L.visible[i].cells.find((c) => c[2] === 'd');
-            const x0 = L.width - L.visible.length * L.colWidth;
-            return [x0 + i * L.colWidth + L.colWidth / 2 - L.width / 2,
-                    cell[0] * L.rowHeight + L.rowHeight / 2 - L.height / 2, cell[1]];""")
-        from selenium.webdriver.common.action_chains import ActionChains
-
-        canvas = browser.find_element("id", "strip")
-        ActionChains(browser).move_to_element_with_offset(
-            canvas, int(target[0]), int(target[1])).click().perform()
-        tip = browser.find_element("id", "tip")
-        assert target[2] in tip.text and "decode" in tip.text
+            const rect = L.canvas.getBoundingClientRect();
+            const at = {clientX: rect.left + L.x0 + i * L.colWidth + L.colWidth / 2,
+                        clientY: rect.top + cell[0] * L.rowHeight + L.rowHeight / 2,
+                        bubbles: true};
+            L.canvas.dispatchEvent(new MouseEvent('mousemove', at));
+            const tip = document.getElementById('tip');
+            const text = tip.hidden ? '' : tip.textContent;
+            L.canvas.dispatchEvent(new MouseEvent('click', at));
+            return [text, cell[1]];""")
+        assert sequence in tip and "decode" in tip, (sequence, tip)
         wait_for(browser, "return document.querySelectorAll('#history li b').length >= 3")
         events = [e.text for e in browser.find_elements("css selector", "#history li b")]
         assert events[0] == "queued" and "finished" in events, events
