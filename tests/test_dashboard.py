@@ -451,3 +451,22 @@ def test_with_an_api_key_the_page_asks_for_it_once(browser, tiny_server, tmp_pat
     wait_for(browser, "return window.inflightDashboard.hello !== null")
     assert browser.find_element("id", "key-form").is_displayed() is False
     screenshot(browser, tmp_path, "dashboard-key.png")
+
+
+def test_bench_dashboard_alternates_rounds_and_reads_the_feed(capsys):
+    """``inflight bench dashboard`` on the default model, one pair of short rounds."""
+    from inflight.bench import dashboard_cost
+
+    config = EngineConfig(kv_cache_memory="64MiB", max_num_seqs=4)
+    data = dashboard_cost.run(config, requests=6, concurrency=3, rounds=1, viewer="sse",
+                              max_tokens=8, screenshot=None)
+    assert [r["viewer"] for r in data["rounds"]] == [False, True]
+    assert all(r["failed"] == 0 and r["output_tokens_per_second"] > 0
+               for r in data["rounds"]), data["rounds"]
+    assert data["rounds"][1]["frames"]["event: hello"] == 1  # the reader saw the feed
+    assert data["ratio"] > 0 and "ratio" in capsys.readouterr().out
+    assert dashboard_cost.recording_cost(8, steps=50) > 0
+    assert dashboard_cost.feed_cost(8, 4, frames=16) > 0
+    with pytest.raises(ValueError, match="--screenshot needs --viewer chromium"):
+        dashboard_cost.run(config, requests=8, concurrency=4, rounds=1, viewer="sse",
+                           max_tokens=None, screenshot="x.png")

@@ -18,7 +18,7 @@ import shutil
 import statistics
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -61,6 +61,23 @@ def sse_viewer(url: str) -> Iterator[dict[str, int]]:
     finally:
         stop.set()
         thread.join(timeout=10)
+
+
+@contextmanager
+def page_viewer(driver: Any, url: str, screenshot: str | None, after: float
+                ) -> Iterator[dict[str, int]]:
+    """The dashboard open in ``driver``; a screenshot ``after`` seconds in."""
+    driver.get(f"{url}/dashboard")
+    time.sleep(1.0)
+    timer = threading.Timer(after, driver.save_screenshot, (screenshot,)) if screenshot else None
+    if timer is not None:
+        timer.start()
+    try:
+        yield {}
+    finally:
+        if timer is not None:
+            timer.join()
+        driver.get("about:blank")
 
 
 def chromium_driver() -> Any:
@@ -152,46 +169,30 @@ def run(config: EngineConfig, *, requests: int, concurrency: int, rounds: int, v
         raise ValueError("--screenshot needs --viewer chromium")
     # The chat scenario's shapes, from two tenants (so that the page has shares to show).
     chat = serving.SCENARIOS["chat"][0]
+    # (Arrival times do not matter in a closed loop: a high rate over a short
+    # span, lengthened by build_requests until it holds enough requests.)
     specs = serving.build_requests([replace(chat, name=f"tenant-{t}", user=f"tenant-{t}",
-                                            rate=1000.0) for t in "ab"], 3600.0, 0, requests)
+                                            rate=100.0) for t in "ab"], 0.1, 0, requests)
     if max_tokens is not None:
         specs = [replace(s, max_tokens=max_tokens) for s in specs]
     order = [on for pair in range(rounds) for on in ((False, True) if pair % 2 == 0
                                                       else (True, False))]
-    recording = {n: recording_cost(n) for n in (32, 128)}
-    print("recording a step in the StepLog (the engine loop's share): " + ", ".join(
-        f"{seconds * 1e6:.0f} us at {n} sequences" for n, seconds in recording.items()))
-    # Steps per frame: about this engine's decode rate (here), and a tiny model's.
-    feed = {f"{n} sequences, {k} steps a frame": feed_cost(n, k) for n in (32, 128)
-            for k in (4, 60)}
-    print("serving an open feed (the server's share, % of a core): " + ", ".join(
-        f"{100 * share:.2f} at {what}" for what, share in feed.items()))
     driver = chromium_driver() if viewer == "chromium" else None
     results: list[dict[str, Any]] = []
     try:
         with ServerProcess(config) as url:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             serving.run(url, model, specs, concurrency, None, None)  # a round to warm up
+            last_on = max(i for i, on in enumerate(order) if on)
             for i, on in enumerate(order):
-                frames: dict[str, int] = {}
-                if on and driver is not None:
-                    driver.get(f"{url}/dashboard")
-                    time.sleep(1.0)
-                    # Under load: halfway through the round, by the last round's length.
-                    shot = screenshot if i == max(j for j, o in enumerate(order) if o) else None
-                    timer = (threading.Timer(results[-1]["wall_seconds"] / 2,
-                                             driver.save_screenshot, (shot,))
-                             if shot and results else None)
-                    if timer:
-                        timer.start()
-                    data = serving.run(url, model, specs, concurrency, None, None)
-                    if timer:
-                        timer.join()
-                    driver.get("about:blank")
-                elif on:
-                    with sse_viewer(url) as frames:
-                        data = serving.run(url, model, specs, concurrency, None, None)
-                else:
+                if not on:
+                    viewing = nullcontext({})
+                elif driver is None:
+                    viewing = sse_viewer(url)
+                else:  # the screenshot halfway through the last round with the page
+                    shot = screenshot if i == last_on else None
+                    viewing = page_viewer(driver, url, shot, results[-1]["wall_seconds"] / 2)
+                with viewing as frames:
                     data = serving.run(url, model, specs, concurrency, None, None)
                 overall = data["overall"]
                 tokens = overall["output_tokens_per_second"]
@@ -210,15 +211,28 @@ def run(config: EngineConfig, *, requests: int, concurrency: int, rounds: int, v
     ratio = statistics.fmean(on_) / statistics.fmean(off)
     print(f"\nwithout a viewer {statistics.fmean(off):.1f} tok/s, with {viewer} "
           f"{statistics.fmean(on_):.1f} tok/s: ratio {ratio:.3f}")
-    return {"viewer": viewer, "rounds": results, "ratio": ratio,
-            "recording_seconds_per_step": recording, "feed_cpu_share": feed,
-            "requests": requests, "concurrency": concurrency}
+    return {"viewer": viewer, "rounds": results, "ratio": ratio, "requests": requests,
+            "concurrency": concurrency}
+
+
+def component_costs() -> dict[str, dict[str, float]]:
+    """The recording and feed microbenchmarks, printed."""
+    recording = {f"{n} sequences": recording_cost(n) for n in (32, 128)}
+    print("recording a step in the StepLog (the engine loop's share): " + ", ".join(
+        f"{seconds * 1e6:.0f} us at {what}" for what, seconds in recording.items()))
+    # Steps per frame: about this engine's decode rate (here), and a tiny model's.
+    feed = {f"{n} sequences, {k} steps a frame": feed_cost(n, k) for n in (32, 128)
+            for k in (4, 60)}
+    print("serving an open feed (the server's share, % of a core): " + ", ".join(
+        f"{100 * share:.2f} at {what}" for what, share in feed.items()))
+    return {"recording_seconds_per_step": recording, "feed_cpu_share": feed}
 
 
 def command(args: Any, config: EngineConfig) -> int:
+    costs = component_costs()
     data = run(config, requests=args.num_requests, concurrency=args.concurrency,
                rounds=args.rounds, viewer=args.viewer, max_tokens=args.max_tokens,
                screenshot=args.screenshot)
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps(data, indent=2))
+        Path(args.output_json).write_text(json.dumps({**costs, **data}, indent=2))
     return 0

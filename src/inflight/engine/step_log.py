@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from inflight.engine.client import EngineLoad
+from inflight.engine.engine_core import StepStats
 
 # What a slot did in one step (the colours of the dashboard's strip).
 PROMPT, DECODE, PREEMPTED, HELD = "p", "d", "x", "h"
@@ -146,8 +147,8 @@ class StepLog:
             while len(self._histories) > self._max_requests:
                 self._histories.popitem(last=False)
 
-    def stepped(self, stats: Any) -> None:
-        """Record one step from its ``engine_core.StepStats``."""
+    def stepped(self, stats: StepStats) -> None:
+        """Record one step."""
         now = self.clock()
         with self._lock:
             step = self._next_step
@@ -155,13 +156,13 @@ class StepLog:
             cells: list[list[Any]] = []
             in_batch = set(stats.request_ids)
             bucket = self._bucket(now)
-            # Preempted sequences give their slots back first, so that a
-            # sequence admitted in their place refills them in this same step.
-            vacated: dict[int, str] = {}
-            # Sequences that ended without being computed (expired) leave first too.
+            # Sequences that ended without being computed (expired) and preempted
+            # ones give their slots back first, so that a sequence admitted in
+            # their place refills them in this same step.
             for seq, (reason, _, _, generated) in zip(stats.finished_ids, stats.finished):
                 if seq not in in_batch:
                     self._finish(seq, reason, generated, now, step)
+            vacated: dict[int, str] = {}
             for seq in stats.preempted_ids:
                 live = self._live.get(seq)
                 if live is not None and live.slot is not None:

@@ -26,6 +26,7 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from inflight.engine.client import EngineClient, StepLogSource
+from inflight.engine.step_log import DECODE, HELD, PREEMPTED, PROMPT
 from inflight.server.errors import APIError
 
 STATIC = resources.files("inflight.server") / "dashboard_static"
@@ -39,7 +40,7 @@ FEED_COLUMNS = 60        # columns a frame holds at most, by default
 SUMMARY_EVERY_S = 2.0
 PING_EVERY_S = 5.0
 # Cell kinds, most telling first: a merged column shows the strongest.
-KIND_RANK = {"x": 3, "p": 2, "d": 1, "h": 0}
+KIND_RANK = {PREEMPTED: 3, PROMPT: 2, DECODE: 1, HELD: 0}
 
 
 def coalesce(records: list[dict[str, Any]], max_columns: int) -> list[dict[str, Any]]:
