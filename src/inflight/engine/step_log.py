@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -327,42 +327,43 @@ class StepLog:
         now = self.clock() if now is None else now
         start = now - self.window_s
         with self._lock:
-            seconds = [(b.t, b.steps, b.busy, b.tokens, b.prompt_tokens, b.generated,
-                        b.prefix_queries, b.prefix_hits, b.preempted, b.finished, b.waiting,
-                        b.running, b.kv_usage, list(b.ttfts), list(b.itls), dict(b.tenant_tokens))
+            # Copies: the loop thread goes on filling the current second.
+            seconds = [replace(b, ttfts=list(b.ttfts), itls=list(b.itls),
+                               tenant_tokens=dict(b.tenant_tokens))
                        for b in self._seconds if b.t >= start]
             current = self._seconds[-1].t if self._seconds else None
             recent = [h.brief() for h in reversed(self._histories.values())][:32]
             aborted = self.aborted
         # Each second's latencies binned once it is over (the current one each time).
-        ttft_bins = [self._binned(("ttft", s[0]), s[13], s[0] != current) for s in seconds]
-        itl_bins = [self._binned(("itl", s[0]), s[14], s[0] != current) for s in seconds]
+        ttft_bins = [self._binned(("ttft", b.t), b.ttfts, b.t != current) for b in seconds]
+        itl_bins = [self._binned(("itl", b.t), b.itls, b.t != current) for b in seconds]
         ttfts, itls = _total(ttft_bins), _total(itl_bins)
         tenants: dict[str, int] = {}
-        for s in seconds:
-            for tenant, tokens in s[15].items():
+        for b in seconds:
+            for tenant, tokens in b.tenant_tokens.items():
                 tenants[tenant] = tenants.get(tenant, 0) + tokens
-        span = min(self.window_s, max(1.0, now - seconds[0][0])) if seconds else self.window_s
-        queries = sum(s[6] for s in seconds)
+        span = min(self.window_s, max(1.0, now - seconds[0].t)) if seconds else self.window_s
+        queries = sum(b.prefix_queries for b in seconds)
         return {
             "window_s": self.window_s,
-            "tokens_per_s": sum(s[3] for s in seconds) / span,
-            "generated_per_s": sum(s[5] for s in seconds) / span,
-            "prompt_tokens_per_s": sum(s[4] for s in seconds) / span,
-            "steps_per_s": sum(s[1] for s in seconds) / span,
-            "busy": min(1.0, sum(s[2] for s in seconds) / span),
-            "prefix_hit_rate": sum(s[7] for s in seconds) / queries if queries else None,
-            "preemptions": sum(s[8] for s in seconds),
-            "finished": sum(s[9] for s in seconds),
+            "tokens_per_s": sum(b.tokens for b in seconds) / span,
+            "generated_per_s": sum(b.generated for b in seconds) / span,
+            "prompt_tokens_per_s": sum(b.prompt_tokens for b in seconds) / span,
+            "steps_per_s": sum(b.steps for b in seconds) / span,
+            "busy": min(1.0, sum(b.busy for b in seconds) / span),
+            "prefix_hit_rate": (sum(b.prefix_hits for b in seconds) / queries
+                                if queries else None),
+            "preemptions": sum(b.preempted for b in seconds),
+            "finished": sum(b.finished for b in seconds),
             "aborted_total": aborted,
             "ttft_p50": _percentile(ttfts, 50), "ttft_p99": _percentile(ttfts, 99),
             "itl_p50": _percentile(itls, 50), "itl_p99": _percentile(itls, 99),
             "tenant_tokens": tenants,
-            "series": [{"t": s[0], "tokens": s[3], "generated": s[5], "waiting": s[10],
-                        "running": s[11], "kv_usage": s[12],
+            "series": [{"t": b.t, "tokens": b.tokens, "generated": b.generated,
+                        "waiting": b.waiting, "running": b.running, "kv_usage": b.kv_usage,
                         "ttft_p50": _percentile(ttft, 50),
                         "itl_p50": _percentile(itl, 50)}
-                       for s, ttft, itl in zip(seconds, ttft_bins, itl_bins)],
+                       for b, ttft, itl in zip(seconds, ttft_bins, itl_bins)],
             "recent": recent,
         }
 
