@@ -1,14 +1,16 @@
 """The scheduler and KV cache manager under random load, over every policy and
 option together: both preemption modes, preemption for priority, static
 batching, n > 1 samples, aborts, deadlines with drop_expired, tenant caps,
-prefix caching and chunked prefill, in virtual time. A fake worker checks
-that every KV read sees the right tokens and nothing shared is written."""
+prefix caching, chunked prefill and background (batch) requests, in virtual
+time. A fake worker checks that every KV read sees the right tokens and nothing
+shared is written."""
 
 from __future__ import annotations
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from inflight.core.background import BackgroundTier
 from inflight.core.kv_cache_manager import KVCacheManager, cdiv
 from inflight.core.policy import POLICIES, PolicyConfig, make_policy
 from inflight.core.request import FinishReason, Request
@@ -42,6 +44,7 @@ request_spec = st.fixed_dictionaries({
     "tenant": st.sampled_from(TENANTS),
     "deadline": st.one_of(st.none(), st.integers(1, 30)),  # seconds after arrival
     "expected": st.one_of(st.none(), st.integers(1, 30)),
+    "background": st.sampled_from([False, False, True]),
 })
 
 options = st.fixed_dictionaries({
@@ -58,6 +61,8 @@ options = st.fixed_dictionaries({
     "max_num_seqs": st.integers(1, 8),
     "budget": st.integers(1, 48),
     "host_blocks": st.integers(0, 20),
+    "background_tokens": st.integers(1, 6),
+    "linger": st.sampled_from([0.0, 3.0]),
 })
 
 SHARED = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -69,8 +74,12 @@ def build(o: dict, clock: StepClock) -> Scheduler:
     max_model_len = kv.capacity_tokens
     budget = o["budget"] if o["chunked"] else max(o["budget"], max_model_len)
     cls = StaticBatchScheduler if o["static"] else Scheduler
-    return cls(kv, make_policy(o["policy"], PolicyConfig(priority_aging=0.05, sjf_aging=1.0)),
-               clock=clock, max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=budget,
+    config = PolicyConfig(priority_aging=0.05, sjf_aging=1.0)
+    policy = BackgroundTier(make_policy(o["policy"], config), make_policy(o["policy"], config),
+                            step_tokens=o.get("background_tokens", 16),
+                            linger=o.get("linger", 0.0))
+    return cls(kv, policy, clock=clock, max_num_seqs=o["max_num_seqs"],
+               max_num_batched_tokens=budget,
                max_model_len=max_model_len, enable_chunked_prefill=o["chunked"],
                preemption_mode=o["preemption_mode"],
                preempt_for_priority=o["preempt_for_priority"], drop_expired=o["drop_expired"],
@@ -82,7 +91,8 @@ def make_group(i: int, spec: dict, arrival: float) -> list[Request]:
     deadline = None if spec["deadline"] is None else arrival + spec["deadline"]
     return [Request(f"r{i}" + (f"#{j}" if j else ""), prompt, SamplingParams(seed=j),
                     spec["max_tokens"], frozenset({EOS}), arrival, spec["priority"],
-                    spec["tenant"], deadline, spec["expected"])
+                    spec["tenant"], deadline, spec["expected"],
+                    background=spec.get("background", False))
             for j in range(spec["n"])]
 
 
@@ -142,6 +152,7 @@ def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
             [f"r{index}", *(f"r{index}#{j}" for j in range(1, 3))])
 
     step = 0
+    interactive_seen = None
     while arrivals or sched.has_unfinished_requests():
         clock.now = float(step)
         while arrivals and arrivals[0][1]["arrival"] <= step:
@@ -154,8 +165,14 @@ def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
                 assert "max_model_len" in str(e) or "max_num_seqs" in str(e)
         sched.finish_requests(abort_at.get(step, []), FinishReason.ABORT)
 
+        if any(not r.background and r.fork_parent is None for r in sched.requests.values()):
+            interactive_seen = clock.now
+        background_before = {r.request_id for r in sched.running if r.background}
         out = sched.schedule()
         check_step(sched, out, o)
+        around = (interactive_seen is not None
+                  and clock.now - interactive_seen <= o.get("linger", 0.0))
+        check_background(sched, out, o, background_before, around)
         worker.move_blocks(out)
         sched.update_from_output(out, worker.execute(out))
         check_accounting(kv)
@@ -170,6 +187,41 @@ def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
     assert kv.num_free_blocks == kv.num_blocks
     assert kv.num_free_host_blocks == kv.num_host_blocks
     assert not kv.owned_blocks()
+
+
+def check_background(sched: Scheduler, out, o: dict, background_before: set[str],
+                     interactive_around: bool) -> None:
+    """Background requests take what interactive ones leave: their tokens are
+    capped while interactive requests are around; they are admitted only when
+    no interactive request waits (but those held by their tenant's cap); and
+    no interactive request is preempted while a background one still runs."""
+    if interactive_around:
+        assert sum(n for r, n in zip(out.requests, out.num_new_tokens)
+                   if r.background) <= o.get("background_tokens", 16)
+    now = sched.clock()
+    admitted = [r for r in out.requests
+                if any(e in ("scheduled", "resumed") and t == now for e, t, _ in r.history[-1:])]
+    if any(r.background for r in admitted):
+        for waiting in sched.policy:
+            if waiting.background:
+                continue
+            assert o["tenant_cap"] is not None and sum(
+                r.tenant == waiting.tenant for r in sched.running) >= o["tenant_cap"], \
+                f"{waiting} waits while background work was admitted"
+    if o["static"]:
+        return  # a static batch is preempted whole
+    preempted = set(out.preempted_request_ids)
+    if any(not sched_request(sched, rid).background for rid in preempted):
+        assert background_before <= preempted | _ended(sched, background_before), \
+            "an interactive request was preempted while background work kept running"
+
+
+def sched_request(sched: Scheduler, request_id: str) -> Request:
+    return next(r for r in [*sched.policy, *sched.running] if r.request_id == request_id)
+
+
+def _ended(sched: Scheduler, ids: set[str]) -> set[str]:
+    return {rid for rid in ids if rid not in sched.requests}
 
 
 def test_a_deferred_prompt_chunk_can_be_the_victim():

@@ -1,4 +1,4 @@
-"""Command line: ``inflight generate | serve | bench throughput | bench sweep``.
+"""Command line: ``inflight generate | serve | run-batch | bench ... | simulate``.
 
 Every EngineConfig field is a flag with the same name, dashed
 (``--max-num-seqs``, ``--kv-cache-memory 2GiB``, ``--no-enable-chunked-prefill``).
@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="end with an error a request not scheduled within this time")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, how long in-flight requests may take to finish")
+    srv.add_argument("--data-dir", default=None,
+                     help="where batch jobs and their files live (default: $INFLIGHT_DATA_DIR, "
+                          "else $XDG_DATA_HOME/inflight, else ~/.local/share/inflight)")
+    srv.add_argument("--batch-max-in-flight", type=int, default=None,
+                     help="batch lines in the engine at once (default: --max-num-seqs)")
     ray_group = srv.add_argument_group(
         "scale-out on Ray Serve (pip install 'inflight[ray]')",
         "with --replicas or --autoscale, engines run as replicas of a Ray Serve deployment "
@@ -115,6 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
                            help="a replica sends a stream's tokens at most this often")
     add_engine_args(srv)
     srv.set_defaults(func=_serve)
+
+    rb = sub.add_parser("run-batch", help="answer a Batch API input file offline (JSON lines "
+                                          "in, JSON lines out)")
+    rb.add_argument("-i", "--input-file", required=True, help="JSON lines of {custom_id, method, "
+                                                              "url, body}")
+    rb.add_argument("-o", "--output-file", required=True,
+                    help="one answer or error per input line, in input order")
+    rb.add_argument("--served-model-name", default=None,
+                    help="the model name the lines' bodies may give (default: the model's)")
+    rb.add_argument("--max-in-flight", type=int, default=None,
+                    help="lines in the engine at once (default: --max-num-seqs)")
+    add_engine_args(rb)
+    rb.set_defaults(func=_run_batch)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput of one workload")
@@ -221,6 +239,29 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--output-json", default=None)
     db.set_defaults(func=_bench_dashboard)
 
+    bb = bench.add_parser("batch", help="the Batch API: its throughput against offline "
+                                        "LLM.generate, and interactive latency with a batch "
+                                        "running beneath it")
+    add_engine_args(bb)
+    bb.add_argument("--throughput-lines", type=int, default=400,
+                    help="lines of the throughput comparison (0: skip it)")
+    bb.add_argument("--interference-lines", type=int, default=3000,
+                    help="lines of the batch running beneath the interactive load")
+    bb.add_argument("--min-output", type=int, default=32, help="output tokens of a line, least")
+    bb.add_argument("--max-output", type=int, default=64, help="output tokens of a line, most")
+    bb.add_argument("--scenario", default="chat", help="the interactive load (bench serve's)")
+    bb.add_argument("--rate-scale", type=float, default=1.5,
+                    help="multiply the scenario's arrival rates")
+    bb.add_argument("--duration", type=float, default=60.0, help="seconds of interactive arrivals")
+    bb.add_argument("--rounds", type=int, default=2,
+                    help="pairs of interactive rounds, alone and with the batch (0: skip)")
+    bb.add_argument("--batch-max-in-flight", type=int, default=None,
+                    help="the server's --batch-max-in-flight")
+    bb.add_argument("--workload-seed", type=int, default=0,
+                    help="seed of the lines and the arrivals")
+    bb.add_argument("--output-json", default=None)
+    bb.set_defaults(func=_bench_batch)
+
     sw = bench.add_parser("sweep", help="continuous vs static over batch sizes, with plots")
     _add_bench_args(sw)
     sw.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
@@ -257,12 +298,25 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_on_ray(args)
     from inflight.server.launch import serve
 
+    from inflight.cache import data_root
+
     serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name,
+          data_dir=args.data_dir or data_root(), batch_max_in_flight=args.batch_max_in_flight,
           max_waiting_requests=args.max_waiting_requests,
           max_waiting_per_tenant=args.max_waiting_per_tenant,
           max_queue_wait=args.max_queue_wait, shutdown_timeout=args.shutdown_timeout,
           log_level=args.log_level.lower())
+    return 0
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from inflight.server.run_batch import run_batch
+
+    summary = run_batch(engine_config_from_args(args), args.input_file, args.output_file,
+                        max_in_flight=args.max_in_flight, served_model_name=args.served_model_name)
+    print(f"{summary['lines']} lines ({summary['completed']} answered, {summary['failed']} failed) "
+          f"in {summary['seconds']:.1f} s -> {args.output_file}", file=sys.stderr)
     return 0
 
 
@@ -360,6 +414,12 @@ def _bench_dashboard(args: argparse.Namespace) -> int:
     from inflight.bench import dashboard_cost
 
     return dashboard_cost.command(args, engine_config_from_args(args))
+
+
+def _bench_batch(args: argparse.Namespace) -> int:
+    from inflight.bench import batch_cost
+
+    return batch_cost.command(args, engine_config_from_args(args))
 
 
 def _bench_sweep(args: argparse.Namespace) -> int:

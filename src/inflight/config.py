@@ -73,6 +73,12 @@ class EngineConfig:
     # Finish with reason "deadline" requests whose deadline_ms has passed.
     drop_expired: bool = False
     max_running_per_tenant: int | None = None
+    # Background requests (batch jobs): tokens they may compute per step while
+    # interactive requests are in the engine (one while one waits), and for how
+    # many seconds after the last one left (with none around they take the
+    # whole step budget).
+    background_step_tokens: int = 2
+    background_linger: float = 10.0
     # Load no tokenizer: prompts must then be token ids, outputs carry no text.
     skip_tokenizer_init: bool = False
     # Torch intra-op threads; None keeps torch's default (one per core).
@@ -124,7 +130,8 @@ class EngineConfig:
         self.swap_space = parse_size(self.swap_space, "swap_space")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
-        for name in ("priority_aging", "sjf_aging"):
+        positive_int("background_step_tokens")
+        for name in ("priority_aging", "sjf_aging", "background_linger"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")

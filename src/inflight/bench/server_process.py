@@ -1,11 +1,12 @@
 """``inflight serve`` in a subprocess, for benchmarks that need a real server
-(the simulator's validation and serving calibration)."""
+(the simulator's validation and serving calibration, the Batch API's)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,10 +20,14 @@ from inflight.config import EngineConfig
 
 
 class ServerProcess:
-    """``inflight serve`` in a subprocess, for the length of a ``with``."""
+    """``inflight serve`` in a subprocess, for the length of a ``with``, with a
+    data directory of its own (batch jobs) that goes with it; ``server_args``
+    are its other flags."""
 
-    def __init__(self, engine: EngineConfig) -> None:
+    def __init__(self, engine: EngineConfig, server_args: list[str] | tuple[str, ...] = ()
+                 ) -> None:
         self.engine = engine
+        self.server_args = list(server_args)
 
     def __enter__(self) -> str:
         with socket.socket() as s:
@@ -40,8 +45,10 @@ class ServerProcess:
                     flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="inflight-serve-", suffix=".log",
                                                delete=False)
+        self.data_dir = tempfile.mkdtemp(prefix="inflight-serve-data-")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "inflight", "serve", "--port", str(port), *flags],
+            [sys.executable, "-m", "inflight", "serve", "--port", str(port), *flags,
+             "--data-dir", self.data_dir, *self.server_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300
@@ -65,3 +72,4 @@ class ServerProcess:
             self.process.kill()
             self.process.wait()
         self.log.close()
+        shutil.rmtree(self.data_dir, ignore_errors=True)

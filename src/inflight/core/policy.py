@@ -78,6 +78,16 @@ class SchedulingPolicy(ABC):
         """Smaller ranks go first. Policies that do not rank return 0."""
         return 0.0
 
+    def yields(self, running: Request, waiting: Request) -> bool:
+        """Whether ``running`` must give way to ``waiting`` even without
+        preempt_for_priority (background work to an interactive request)."""
+        return False
+
+    def background_allowance(self, budget: int, now: float) -> int:
+        """Tokens background requests may compute in a step whose token budget
+        is ``budget`` (``core.background``; all of it here)."""
+        return budget
+
     # Whether on_tokens does anything (the scheduler skips the call otherwise).
     counts_tokens = False
 

@@ -44,7 +44,9 @@ class Request:
 
     Scheduling hints: ``priority`` (lower first), ``tenant`` (fair share),
     ``deadline`` (absolute time, seconds) and ``expected_output_tokens`` (for
-    shortest-job-first; ``max_tokens`` when not given). ``cache_salt`` keeps
+    shortest-job-first; ``max_tokens`` when not given); ``background`` work
+    (batch jobs) runs only in capacity interactive requests leave idle
+    (``core.background``). ``cache_salt`` keeps
     its KV blocks apart from those of requests with another salt. ``history``
     records what happened to the request, with timestamps.
 
@@ -56,7 +58,7 @@ class Request:
                  eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
                  priority: int = 0, tenant: str | None = None, deadline: float | None = None,
                  expected_output_tokens: int | None = None,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, background: bool = False) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
@@ -66,6 +68,7 @@ class Request:
         self.expected_output_tokens = (max_tokens if expected_output_tokens is None
                                        else expected_output_tokens)
         self.cache_salt = cache_salt
+        self.background = background
         self.block_hashes: list[bytes] = []  # of its full blocks, filled in lazily
         # Tokens a proposer guessed to follow (speculative decoding), set before
         # ``schedule()``, which cuts them to what the step can verify; not part of

@@ -15,9 +15,14 @@ Each ``schedule()`` call plans one forward step under one token budget
    when it resumes); either way it returns to the waiting queue;
 2. then, if nothing was preempted, waiting requests in policy order while
    budget, sequence slots and KV blocks last. With ``preempt_for_priority``, a
-   waiting request that outranks a running one may take its place. A request
-   being admitted starts past the longest prefix of its tokens found in the
-   prefix cache.
+   waiting request that outranks a running one may take its place; a running
+   request that must ``yield`` to it (background work) gives its place up
+   regardless. A request being admitted starts past the longest prefix of its
+   tokens found in the prefix cache.
+
+Background requests (``core.background``) also share the policy's
+``background_allowance`` of each step's tokens; one past it waits that step,
+keeping its KV.
 
 The samples of an ``n`` > 1 request are admitted as one: the first computes the
 prompt, and the step that finishes it forks the others onto its KV blocks.
@@ -128,6 +133,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._ended_ids: list[str] = []
         self._pending_copies: list[tuple[int, int]] = []
+        self._background_budget = 0  # this step's tokens left to background requests
 
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request, forks: list[Request] | tuple[()] = ()) -> None:
@@ -187,9 +193,10 @@ class Scheduler:
         self._ended_ids, self._pending_copies = [], []
         self.kv_cache.commit_swaps()
         now = self.clock()
+        budget = self.max_num_batched_tokens
+        self._background_budget = self.policy.background_allowance(budget, now)
         if self.drop_expired:
             self._drop_expired(out, now)
-        budget = self.max_num_batched_tokens
         chunked = False
 
         i = 0
@@ -202,8 +209,12 @@ class Scheduler:
                 deferred.append(request)
                 i += 1
                 continue
-            num_new = min(pending, budget)
-            drafts = self._drafts_to_verify(request, pending, budget)
+            limit = self._limit(request, budget)
+            if limit <= 0:  # background work held back this step: it keeps its KV
+                i += 1
+                continue
+            num_new = min(pending, limit)
+            drafts = self._drafts_to_verify(request, pending, limit)
             num_new += len(drafts)
             end = request.num_computed_tokens + num_new
             table = kv.block_ids(request.request_id)
@@ -217,10 +228,10 @@ class Scheduler:
                     drafts = []
                     continue
                 victim = self.policy.pick_victim(self.running)
-                if self.running.index(victim) < i:  # passed already: planned or deferred
+                if self.running.index(victim) < i:  # passed already: planned, deferred or held
                     if victim in out.requests:
                         budget += self._unschedule(out, victim)
-                    else:
+                    elif victim in deferred:
                         deferred.remove(victim)
                     i -= 1
                 self._preempt(out, victim, "out of KV blocks", now)
@@ -248,7 +259,9 @@ class Scheduler:
             if request not in self.running:  # displaced by a newcomer
                 continue
             pending = request.num_tokens - request.num_computed_tokens
-            num_new = min(pending, budget)
+            num_new = min(pending, self._limit(request, budget))
+            if num_new <= 0:
+                continue
             if not self._allocate_deferred(out, request, num_new, now):
                 break
             chunked |= num_new < pending
@@ -310,16 +323,24 @@ class Scheduler:
         return self.running
 
     def _outranked_by_waiting(self, request: Request) -> bool:
-        """With preempt_for_priority, a running request's prompt chunk waits while
-        the next waiting request outranks it: the newcomer gets the token budget,
-        and its step stays short (decodes are never held back). Only when the
-        newcomer's tokens fit in the free blocks: else the two prompts would
-        take turns evicting each other (recompute) and neither would finish."""
-        if not (self.preempt_for_priority and len(self.policy) > 0):
+        """A running request's prompt chunk waits while the next waiting request
+        outranks it (with preempt_for_priority) or it must yield to it
+        (background work): the newcomer gets the token budget, and its step
+        stays short (decodes are never held back). Only when the newcomer's
+        tokens fit in the free blocks: else the two prompts would take turns
+        evicting each other (recompute) and neither would finish."""
+        if not len(self.policy):
             return False
         newcomer = self.policy.peek()
-        return (self.policy.precedes(newcomer, request) and newcomer.num_tokens
-                <= self.kv_cache.num_free_blocks * self.kv_cache.block_size)
+        if not (self.policy.yields(request, newcomer) or (
+                self.preempt_for_priority and self.policy.precedes(newcomer, request))):
+            return False
+        return newcomer.num_tokens <= self.kv_cache.num_free_blocks * self.kv_cache.block_size
+
+    def _limit(self, request: Request, budget: int) -> int:
+        """The most tokens ``request`` may compute with ``budget`` left: background
+        requests also share the policy's background allowance of the step."""
+        return min(budget, self._background_budget) if request.background else budget
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float,
                held_back: list[Request]) -> tuple[bool, bool, int]:
@@ -342,17 +363,21 @@ class Scheduler:
             if self._tenant_at_limit(request.tenant):
                 deferred.append(self.policy.pop())
                 continue
+            limit = self._limit(request, budget)
+            if limit <= 0:
+                break  # background requests come last: none runs this step
             no_slot = self._num_seq_slots() + 1 + len(request.pending_forks) > self.max_num_seqs
-            if no_slot and not self.preempt_for_priority:
+            if no_slot and not self.preempt_for_priority and not any(
+                    self.policy.yields(r, request) for r in self._live_running()):
                 break  # before the prefix-cache look-up, which would be wasted
             swapped = request.status is RequestStatus.SWAPPED
             cached = [] if swapped else self.kv_cache.find_cached_prefix(request)
             start = request.num_computed_tokens if swapped else len(cached) * self.kv_cache.block_size
             pending = request.num_tokens - start
-            if pending > budget and not self.enable_chunked_prefill:
+            if pending > limit and not self.enable_chunked_prefill:
                 budget_bound = True
                 break
-            num_new = min(pending, budget)
+            num_new = min(pending, limit)
             if no_slot or not self._claim_blocks(out, request, start + num_new, cached):
                 freed = self._displace_for(out, request, admitted, now)
                 if freed is None:
@@ -400,15 +425,15 @@ class Scheduler:
 
     def _displace_for(self, out: SchedulerOutput, request: Request, admitted: set[str],
                       now: float) -> int | None:
-        """With preempt_for_priority, preempt the lowest-ranked running request if
-        ``request`` outranks it. Returns the budget that frees, or None."""
-        if not self.preempt_for_priority:
-            return None
+        """Preempt the policy's victim among the running requests if it must yield
+        to ``request``, or (with preempt_for_priority) ``request`` outranks it.
+        Returns the budget that frees, or None."""
         candidates = [r for r in self._live_running() if r.request_id not in admitted]
         if not candidates:
             return None
         victim = self.policy.pick_victim(candidates)
-        if not self.policy.outranks(request, victim):
+        if not (self.policy.yields(victim, request) or (
+                self.preempt_for_priority and self.policy.outranks(request, victim))):
             return None
         freed = self._unschedule(out, victim) if victim in out.requests else 0
         self._preempt(out, victim, f"outranked by {request.request_id}", now)
@@ -420,16 +445,19 @@ class Scheduler:
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         """Plan ``num_new`` tokens of ``request`` (its ``draft_token_ids`` last)."""
+        if request.background:
+            self._background_budget -= num_new
         out.requests.append(request)
         out.num_new_tokens.append(num_new)
         out.block_ids.append(self.kv_cache.block_ids(request.request_id))
         out.draft_token_ids.append(request.draft_token_ids)
 
-    @staticmethod
-    def _unschedule(out: SchedulerOutput, request: Request) -> int:
+    def _unschedule(self, out: SchedulerOutput, request: Request) -> int:
         """Take a request back out of this step's plan; returns its tokens."""
         j = out.requests.index(request)
         tokens = out.num_new_tokens[j]
+        if request.background:
+            self._background_budget += tokens
         del out.requests[j], out.num_new_tokens[j], out.block_ids[j], out.draft_token_ids[j]
         request.draft_token_ids = []
         return tokens

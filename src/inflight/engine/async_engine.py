@@ -77,6 +77,7 @@ class AsyncEngine(TokenizerOps):
                  build: Callable[[EngineConfig], EngineCore] = build_engine_core) -> None:
         """``max_waiting_requests``: refuse new requests (QueueFullError) while this
         many wait (``max_waiting_per_tenant``: this many of the same tenant);
+        background requests neither count nor are refused (their feeder bounds them);
         ``max_queue_wait``: end with QueueTimeoutError a request not scheduled
         within this many seconds. ``on_step`` sees every step's stats and
         ``on_abort`` the number of requests each abort ended (metrics).
@@ -103,7 +104,8 @@ class AsyncEngine(TokenizerOps):
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._dead: BaseException | None = None
-        # Requests queued in the inbox or in the scheduler; read without the lock.
+        # Interactive requests queued in the inbox or in the scheduler; read
+        # without the lock.
         self.num_waiting = 0
         # The load snapshot, replaced (never mutated) by the loop thread.
         self._load = EngineLoad()
@@ -154,16 +156,18 @@ class AsyncEngine(TokenizerOps):
         """A request's outputs until it finishes: deltas at every step with news
         when ``stream``, else one final output. ``scheduling`` takes the
         options of ``EngineCore.prepare_request`` (priority, tenant, deadline_ms,
-        expected_output_tokens, cache_salt). Raises ValueError for bad input, QueueFullError
-        under backpressure, QueueTimeoutError when it waited too long,
-        RequestFailedError when handling its results failed. Closing the
+        expected_output_tokens, cache_salt, background). Raises ValueError for
+        bad input, QueueFullError under backpressure, QueueTimeoutError when it
+        waited too long, RequestFailedError when handling its results failed. Closing the
         iterator early (a client went away) aborts the request."""
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
-        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
+        interactive = not scheduling.get("background", False)
+        if (interactive and self.max_waiting_requests is not None
+                and self.num_waiting >= self.max_waiting_requests):
             raise QueueFullError(f"{self.num_waiting} requests are already waiting")
         tenant = scheduling.get("tenant")
-        if (self.max_waiting_per_tenant is not None
+        if (interactive and self.max_waiting_per_tenant is not None
                 and self.waiting_by_tenant.get(tenant, 0) >= self.max_waiting_per_tenant):
             raise QueueFullError(f"tenant {tenant!r} already has {self.max_waiting_per_tenant} "
                                  "requests waiting")
@@ -178,8 +182,9 @@ class AsyncEngine(TokenizerOps):
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = stream
             self._inbox.append(("add", prepared))
-            self.num_waiting += 1
-            self.waiting_by_tenant[tenant] = self.waiting_by_tenant.get(tenant, 0) + 1
+            if interactive:
+                self.num_waiting += 1
+                self.waiting_by_tenant[tenant] = self.waiting_by_tenant.get(tenant, 0) + 1
             self._lock.notify()
         finished = False
         try:
@@ -276,9 +281,14 @@ class AsyncEngine(TokenizerOps):
                 # After every pass, steps or not: an abort on an idle engine
                 # shows at once.
                 self._load = core.load()
-                self.num_waiting = self._load.num_waiting + len(self._inbox)
+                with self._lock:
+                    queued = sum(kind == "add" and not item.sequences[0].background
+                                 for kind, item in self._inbox)
+                self.num_waiting = (self._load.num_waiting - self._load.num_background_waiting
+                                    + queued)
                 if self.max_waiting_per_tenant is not None:
-                    self.waiting_by_tenant = Counter(r.tenant for r in core.scheduler.policy)
+                    self.waiting_by_tenant = Counter(r.tenant for r in core.scheduler.policy
+                                                     if not r.background)
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it
             logger.exception("the engine loop failed")
             self._dead = e

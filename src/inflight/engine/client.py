@@ -27,6 +27,7 @@ class EngineLoad:
     engine step (and refreshed after aborts on an idle engine)."""
 
     num_waiting: int = 0
+    num_background_waiting: int = 0  # of which background (batch) requests
     num_running: int = 0
     kv_cache_usage: float = 0.0   # fraction of KV blocks held by requests
     num_cached_blocks: int = 0    # blocks findable in the prefix cache

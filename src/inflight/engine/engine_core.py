@@ -114,6 +114,8 @@ class EngineCore:
 
     def load(self) -> EngineLoad:
         return EngineLoad(num_waiting=self.scheduler.num_waiting,
+                          num_background_waiting=getattr(self.scheduler.policy,
+                                                         "num_background_waiting", 0),
                           num_running=self.scheduler.num_running,
                           kv_cache_usage=self.kv_cache.usage,
                           num_cached_blocks=self.kv_cache.num_cached_blocks)
@@ -169,7 +171,8 @@ class EngineCore:
                         arrival_time: float | None = None, priority: int = 0,
                         tenant: str | None = None, deadline_ms: float | None = None,
                         expected_output_tokens: int | None = None,
-                        cache_salt: str | None = None) -> PreparedRequest:
+                        cache_salt: str | None = None, background: bool = False
+                        ) -> PreparedRequest:
         """Validate and tokenize a request without touching the engine's state (so
         any thread may call it); ``submit`` queues the result.
 
@@ -177,7 +180,9 @@ class EngineCore:
         it counts against (fair policy); ``deadline_ms``: due this long after
         arrival (deadline policy); ``expected_output_tokens``: its expected
         length, for shortest-job-first (``max_tokens`` otherwise);
-        ``cache_salt``: shares cached KV only with requests of the same salt."""
+        ``cache_salt``: shares cached KV only with requests of the same salt;
+        ``background``: batch work, run only in capacity that interactive
+        requests leave idle (``core.background``)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -202,6 +207,8 @@ class EngineCore:
                              f"got {expected_output_tokens!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if not isinstance(background, bool):
+            raise ValueError(f"background must be true or false, got {background!r}")
         arrival = self.clock() if arrival_time is None else arrival_time
         deadline = None if deadline_ms is None else arrival + deadline_ms / 1000
         count = params.num_samples
@@ -217,7 +224,7 @@ class EngineCore:
             seq_id = request_id if count == 1 else f"{request_id}#{i}"
             sequences.append(Request(seq_id, ids, seq_params, max_tokens, self.eos_token_ids,
                                      arrival, priority, tenant, deadline,
-                                     expected_output_tokens, cache_salt))
+                                     expected_output_tokens, cache_salt, background))
         return PreparedRequest(request_id, text, ids, sequences, kind, params)
 
     def submit(self, prepared: PreparedRequest) -> None:
@@ -328,12 +335,14 @@ class EngineCore:
         return self.kv_cache.reset_prefix_cache()
 
     def abort_waiting_older_than(self, seconds: float, now: float | None = None) -> list[str]:
-        """Abort the requests that have waited longer than ``seconds`` without
-        being scheduled; returns their ids."""
+        """Abort the interactive requests that have waited longer than
+        ``seconds`` without being scheduled (background ones wait for idle
+        capacity as long as it takes); returns their ids."""
         now = self.clock() if now is None else now
         expired = {self.output_processor.request_id_of(r.request_id)
                    for r in self.scheduler.policy
-                   if r.first_scheduled_time is None and now - r.arrival_time > seconds}
+                   if r.first_scheduled_time is None and not r.background
+                   and now - r.arrival_time > seconds}
         expired.discard(None)
         self.abort_request(sorted(expired))
         return sorted(expired)

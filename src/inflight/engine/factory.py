@@ -8,6 +8,7 @@ import logging
 import time
 
 from inflight.config import EngineConfig
+from inflight.core.background import BackgroundTier
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.policy import PolicyConfig, make_policy
 from inflight.core.scheduler import Clock, Scheduler
@@ -65,10 +66,13 @@ def build_scheduler(config: EngineConfig, runner: Runner, clock: Clock) -> Sched
     kv_cache = KVCacheManager(runner.num_kv_blocks, config.block_size, runner.num_host_blocks,
                               enable_caching=config.enable_prefix_caching)
     scheduler_class = StaticBatchScheduler if config.scheduling == "static" else Scheduler
+    policy_config = PolicyConfig(config.priority_aging, config.sjf_aging)
+    policy = BackgroundTier(make_policy(config.scheduling_policy, policy_config),
+                            make_policy(config.scheduling_policy, policy_config),
+                            step_tokens=config.background_step_tokens,
+                            linger=config.background_linger)
     return scheduler_class(
-        kv_cache,
-        make_policy(config.scheduling_policy,
-                    PolicyConfig(config.priority_aging, config.sjf_aging)),
+        kv_cache, policy,
         clock=clock,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

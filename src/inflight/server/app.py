@@ -1,5 +1,6 @@
 """The FastAPI application: OpenAI-compatible routes, /health, /metrics,
-/tokenize, /detokenize and the dashboard; OpenAI-shaped errors for every failure."""
+/tokenize, /detokenize, the dashboard and (given a batch service) the Files and
+Batches routes; OpenAI-shaped errors for every failure."""
 
 from __future__ import annotations
 
@@ -10,64 +11,33 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inflight.engine.async_engine import (EngineDeadError, QueueFullError, QueueTimeoutError,
-                                          RequestAbortedError, RequestFailedError)
+from inflight.batch.service import BatchService
+from inflight.engine.async_engine import (EngineDeadError, QueueTimeoutError, RequestAbortedError,
+                                          RequestFailedError)
 from inflight.engine.client import EngineClient
 from inflight.server import protocol as p
+from inflight.server.batches import add_batch_routes
+from inflight.server.bodies import decode_json, validate_body, validation_message
 from inflight.server.dashboard import add_dashboard
-from inflight.server.errors import APIError
-from inflight.server.openai_serving import InvalidRequest, OpenAIServing, check_body, error_json
+from inflight.server.errors import APIError, to_api_error
+from inflight.server.openai_serving import OpenAIServing, error_json
 
 logger = logging.getLogger(__name__)
 
-# Seconds a client is told to wait when the queue is full.
-RETRY_AFTER_SECONDS = 1
 # How often a non-streaming request checks whether its client went away.
 DISCONNECT_POLL_SECONDS = 0.05
 # Open even with an API key: health, metrics and the dashboard's page (not its feed).
 OPEN_PATHS = ("/health", "/metrics", "/dashboard/static/")
 OPEN_PAGES = ("/dashboard", "/dashboard/")
-
-
-def _to_api_error(e: BaseException) -> APIError:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, InvalidRequest):
-        return APIError(400, str(e), "invalid_request_error", e.param)
-    if isinstance(e, ValueError):
-        return APIError(400, str(e), "invalid_request_error")
-    if isinstance(e, QueueFullError):
-        return APIError(429, f"the server is at capacity ({e}); retry later", "rate_limit_error",
-                        code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-    if isinstance(e, QueueTimeoutError):
-        return APIError(503, str(e), "timeout_error", code="queue_timeout",
-                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-    if isinstance(e, EngineDeadError):
-        return APIError(503, str(e), "server_error", code="engine_dead")
-    if isinstance(e, RequestFailedError):
-        return APIError(500, f"the request failed: {e}", "server_error", code="request_failed")
-    if isinstance(e, RequestAbortedError):
-        return APIError(499, str(e), "invalid_request_error", code="aborted")
-    logger.exception("unexpected error", exc_info=e)
-    return APIError(500, "internal error", "server_error")
-
-
-def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body",)]
-    param = ".".join(loc) or None
-    if first.get("type") == "extra_forbidden":
-        return f"Unrecognized request argument supplied: {param}", param
-    if first.get("type") == "json_invalid":
-        return "We could not parse the JSON body of your request.", None
-    return f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param
 
 
 class MetricsSource(Protocol):
@@ -78,9 +48,23 @@ class MetricsSource(Protocol):
 
 
 def build_app(engine: EngineClient, *, model_name: str, metrics: MetricsSource,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, batches: BatchService | None = None) -> FastAPI:
+    """``batches``: serve /v1/files and /v1/batches from it (its feeder runs
+    while the app does)."""
     serving = OpenAIServing(engine, model_name)
-    app = FastAPI(title="inflight", version="0.1.0")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if batches is None:
+            yield
+            return
+        await batches.start()
+        try:
+            yield
+        finally:
+            await batches.stop()
+
+    app = FastAPI(title="inflight", version="0.1.0", lifespan=lifespan)
     app.add_middleware(_Guard, api_key=api_key)
 
     @app.exception_handler(APIError)
@@ -89,7 +73,7 @@ def build_app(engine: EngineClient, *, model_name: str, metrics: MetricsSource,
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(e.errors())
+        message, param = validation_message(e.errors())
         return APIError(400, message, "invalid_request_error", param).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -99,33 +83,10 @@ def build_app(engine: EngineClient, *, model_name: str, metrics: MetricsSource,
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        return _to_api_error(e).response()
+        return to_api_error(e).response()
 
     async def parse(request: Request, model: type[BaseModel]) -> Any:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "We could not parse the JSON body of your request.",
-                           "invalid_request_error") from None
-        except RecursionError:  # the decoder recurses once per nesting level
-            raise APIError(400, "The JSON body of your request is nested too deeply.",
-                           "invalid_request_error") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "The request body must be a JSON object.", "invalid_request_error")
-        try:
-            check_body(body)
-        except InvalidRequest as e:
-            raise _to_api_error(e) from None
-        try:
-            parsed = model.model_validate(body)
-        except ValidationError as e:
-            message, param = _validation_message(e.errors())
-            raise APIError(400, message, "invalid_request_error", param) from None
-        requested = getattr(parsed, "model", None)
-        if requested is not None and requested != model_name:
-            raise APIError(404, f"The model `{requested}` does not exist.",
-                           "invalid_request_error", "model", "model_not_found")
-        return parsed
+        return validate_body(decode_json(await request.body()), model, model_name)
 
     async def run(request: Request, stream: bool,
                   whole: Callable[[], Awaitable[BaseModel]],
@@ -135,7 +96,7 @@ def build_app(engine: EngineClient, *, model_name: str, metrics: MetricsSource,
         try:
             response = await _unless_disconnected(request, whole())
         except Exception as e:  # noqa: BLE001 - every failure gets an OpenAI-shaped body
-            raise _to_api_error(e) from e
+            raise to_api_error(e) from e
         return JSONResponse(response.model_dump())
 
     @app.post("/v1/completions")
@@ -204,6 +165,8 @@ def build_app(engine: EngineClient, *, model_name: str, metrics: MetricsSource,
         return p.DetokenizeResponse(prompt=engine.decode(req.tokens, False))
 
     add_dashboard(app, engine, model_name)
+    if batches is not None:
+        add_batch_routes(app, batches)
     return app
 
 
@@ -237,7 +200,7 @@ async def _stream_response(chunks: AsyncIterator[str]) -> Response:
         first = ""
     except BaseException as e:
         await chunks.aclose()
-        raise _to_api_error(e) from e
+        raise to_api_error(e) from e
 
     async def body() -> AsyncIterator[str]:
         try:
@@ -245,7 +208,7 @@ async def _stream_response(chunks: AsyncIterator[str]) -> Response:
             async for chunk in chunks:
                 yield chunk
         except (QueueTimeoutError, EngineDeadError, RequestFailedError, RequestAbortedError) as e:
-            err = _to_api_error(e)
+            err = to_api_error(e)
             yield f"data: {json.dumps(error_json(str(err), err.kind, err.param, err.code))}\n\n"
             yield "data: [DONE]\n\n"
         finally:

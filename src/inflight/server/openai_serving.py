@@ -123,10 +123,15 @@ class _Choice:
         return delta
 
 
-def scheduling(req: p.CompletionRequest | p.ChatCompletionRequest) -> dict[str, Any]:
-    """The request's scheduling options; ``user`` is the tenant."""
-    return {"priority": req.priority, "tenant": req.user, "deadline_ms": req.deadline_ms,
-            "expected_output_tokens": req.expected_output_tokens, "cache_salt": req.cache_salt}
+def scheduling(req: p.CompletionRequest | p.ChatCompletionRequest,
+               background: bool = False) -> dict[str, Any]:
+    """The request's scheduling options; ``user`` is the tenant; ``background``
+    for the lines of a batch."""
+    options = {"priority": req.priority, "tenant": req.user, "deadline_ms": req.deadline_ms,
+               "expected_output_tokens": req.expected_output_tokens, "cache_salt": req.cache_salt}
+    if background:
+        options["background"] = True
+    return options
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
@@ -244,11 +249,12 @@ class OpenAIServing:
         return prompts, sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                                         best_of=req.best_of)
 
-    async def completion(self, req: p.CompletionRequest, request_id: str) -> p.CompletionResponse:
+    async def completion(self, req: p.CompletionRequest, request_id: str,
+                         background: bool = False) -> p.CompletionResponse:
         prompts, params = await asyncio.to_thread(self.completion_inputs, req)
         finals: dict[int, RequestOutput] = {}
-        async with aclosing(_merged(self.engine, prompts, params, request_id, scheduling(req),
-                                    stream=False)) as it:
+        async with aclosing(_merged(self.engine, prompts, params, request_id,
+                                    scheduling(req, background), stream=False)) as it:
             async for i, out in it:
                 finals[i] = out
         outputs = [finals[i] for i in range(len(prompts))]
@@ -334,11 +340,13 @@ class OpenAIServing:
                       "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
         return prompt, sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
 
-    async def chat(self, req: p.ChatCompletionRequest, request_id: str) -> p.ChatCompletionResponse:
+    async def chat(self, req: p.ChatCompletionRequest, request_id: str,
+                   background: bool = False) -> p.ChatCompletionResponse:
         prompt, params = await asyncio.to_thread(self.chat_inputs, req)
         final = None
         async with aclosing(self.engine.generate(prompt, params, request_id=request_id,
-                                                 stream=False, **scheduling(req))) as outputs:
+                                                 stream=False,
+                                                 **scheduling(req, background))) as outputs:
             async for out in outputs:
                 final = out
         assert final is not None and final.finished

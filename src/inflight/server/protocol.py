@@ -254,3 +254,12 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class BatchCreateRequest(_Strict):
+    """``POST /v1/batches``; the values are checked by the batch service."""
+
+    input_file_id: Any
+    endpoint: Any
+    completion_window: Any
+    metadata: Any = None
