@@ -18,63 +18,40 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_helpers import start_server
-from test_sim import FakeRunner, make_config, make_trace, options, request_spec
+from test_sim import make_config, make_trace, options, request_spec, run_engine_loop
 
 from inflight.bench.dashboard_cost import chromium_driver
 from inflight.config import EngineConfig
-from inflight.core.sampling_params import SamplingParams
-from inflight.engine.client import ModelInfo
 from inflight.engine.engine_core import EngineCore
-from inflight.engine.factory import build_scheduler
-from inflight.engine.output import OutputProcessor
 from inflight.engine.step_log import StepLog
 from inflight.server.dashboard import coalesce
 from inflight.sim.runner import VirtualClock
 
 
 def run_logged(config, trace, aborts: list[tuple[int, int]]) -> tuple[StepLog, list, EngineCore]:
-    """A plain engine loop in virtual time with a StepLog fed as AsyncEngine
-    feeds it; ``aborts``: (step, request index) pairs."""
+    """test_sim's plain engine loop with a StepLog fed as AsyncEngine feeds it;
+    ``aborts``: (step, request index) pairs."""
     clock = VirtualClock()
-    runner = FakeRunner(clock, config.num_kv_blocks, config.num_host_blocks,
-                        config.max_model_len)
-    core = EngineCore(build_scheduler(config.engine, runner, clock), runner,
-                      OutputProcessor(None), model=ModelInfo("x", config.max_model_len, 2**31),
-                      tokenizer=None, clock=clock)
     log = StepLog(max_steps=100_000, clock=clock)
-    order = sorted(range(len(trace)), key=lambda i: trace[i].arrival)
     stats = []
-    step = 0
-    while order or core.has_unfinished_requests():
-        if not core.has_unfinished_requests() and clock.now < trace[order[0]].arrival:
-            clock.now = trace[order[0]].arrival
-        while order and trace[order[0]].arrival <= clock.now:
-            i = order.pop(0)
-            r = trace[i]
-            try:
-                prepared = core.prepare_request(
-                    {"prompt_token_ids": r.prompt_token_ids},
-                    SamplingParams(n=r.n, max_tokens=r.output_len, ignore_eos=True,
-                                   temperature=0.0 if r.n == 1 else 1.0),
-                    request_id=str(i), arrival_time=r.arrival, priority=r.priority,
-                    tenant=r.tenant, deadline_ms=r.deadline_ms)
-                core.submit(prepared)
-            except ValueError:
-                continue
-            log.submitted(prepared.request_id, [s.request_id for s in prepared.sequences],
-                          len(prepared.prompt_token_ids), r.arrival, r.tenant, r.priority)
+
+    def submitted(prepared, r) -> None:
+        log.submitted(prepared.request_id, [s.request_id for s in prepared.sequences],
+                      len(prepared.prompt_token_ids), r.arrival, r.tenant, r.priority)
+
+    def abort(step: int, core: EngineCore) -> None:
         for at, index in aborts:
             sequences = core.output_processor.sequence_ids(str(index))
             if at == step and sequences:
                 core.abort_request(str(index))
                 log.ended(str(index), sequences, "aborted")
-        start = clock.now
-        core.step()
+
+    def stepped(core: EngineCore) -> None:
         log.stepped(core.last_step)
         stats.append(core.last_step)
-        step += 1
-        if clock.now == start:
-            clock.advance(0.01)
+
+    _, _, core = run_engine_loop(config, trace, clock=clock, idle_step=0.01,
+                                 on_submit=submitted, before_step=abort, on_step=stepped)
     return log, stats, core
 
 

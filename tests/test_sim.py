@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from inflight.core.policy import POLICIES
 from inflight.core.sampling_params import SamplingParams
 from inflight.core.scheduler import SchedulerOutput
 from inflight.engine.client import ModelInfo
-from inflight.engine.engine_core import EngineCore
+from inflight.engine.engine_core import EngineCore, PreparedRequest
 from inflight.engine.factory import build_scheduler
 from inflight.engine.output import OutputProcessor
 from inflight.sim.capacity import compare_policies, find_replicas
@@ -70,11 +71,17 @@ class FakeRunner:
         return RunnerOutput(tokens, {})
 
 
-def run_engine_loop(config: SimConfig, trace: list[TraceRequest]
-                    ) -> tuple[list, dict[str, tuple]]:
+def run_engine_loop(config: SimConfig, trace: list[TraceRequest], *,
+                    clock: VirtualClock | None = None, idle_step: float = BASE,
+                    on_submit: Callable[[PreparedRequest, TraceRequest], None] | None = None,
+                    before_step: Callable[[int, EngineCore], None] | None = None,
+                    on_step: Callable[[EngineCore], None] | None = None
+                    ) -> tuple[list, dict[str, tuple], EngineCore]:
     """A plain engine loop in virtual time: add what has arrived, step, repeat;
-    when idle, jump to the next arrival."""
-    clock = VirtualClock()
+    when idle, jump to the next arrival (a step that took no time moves the
+    clock by ``idle_step``, as the simulator's idle poll). The hooks see each
+    request queued, each step's number before it runs, and the core after it."""
+    clock = VirtualClock() if clock is None else clock
     runner = FakeRunner(clock, config.num_kv_blocks, config.num_host_blocks,
                         config.max_model_len)
     core = EngineCore(build_scheduler(config.engine, runner, clock), runner,
@@ -82,6 +89,7 @@ def run_engine_loop(config: SimConfig, trace: list[TraceRequest]
                       tokenizer=None, clock=clock)
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival)
     finished: dict[str, tuple] = {}
+    step = 0
     while order or core.has_unfinished_requests():
         if not core.has_unfinished_requests() and clock.now < trace[order[0]].arrival:
             clock.now = trace[order[0]].arrival
@@ -89,23 +97,32 @@ def run_engine_loop(config: SimConfig, trace: list[TraceRequest]
             i = order.pop(0)
             r = trace[i]
             try:
-                core.add_request({"prompt_token_ids": r.prompt_token_ids},
-                                 SamplingParams(n=r.n, max_tokens=r.output_len, ignore_eos=True,
-                                                temperature=0.0 if r.n == 1 else 1.0),
-                                 request_id=str(i), arrival_time=r.arrival,
-                                 priority=r.priority, tenant=r.tenant,
-                                 deadline_ms=r.deadline_ms)
+                prepared = core.prepare_request(
+                    {"prompt_token_ids": r.prompt_token_ids},
+                    SamplingParams(n=r.n, max_tokens=r.output_len, ignore_eos=True,
+                                   temperature=0.0 if r.n == 1 else 1.0),
+                    request_id=str(i), arrival_time=r.arrival, priority=r.priority,
+                    tenant=r.tenant, deadline_ms=r.deadline_ms)
+                core.submit(prepared)
             except ValueError:
                 finished[str(i)] = ("refused",)
+                continue
+            if on_submit is not None:
+                on_submit(prepared, r)
+        if before_step is not None:
+            before_step(step, core)
         start = clock.now
         for out in core.step():
             if out.finished:
                 m = out.metrics
                 finished[out.request_id] = (m.first_token_time, m.finished_time,
                                             sum(len(c.token_ids) for c in out.outputs))
+        if on_step is not None:
+            on_step(core)
+        step += 1
         if clock.now == start:
-            clock.advance(BASE)  # as the simulator's idle poll
-    return runner.plans, finished
+            clock.advance(idle_step)
+    return runner.plans, finished, core
 
 
 request_spec = st.fixed_dictionaries({
@@ -167,7 +184,7 @@ def test_the_simulator_makes_the_engines_scheduling_decisions(o, specs):
     over every policy and option, with arrivals spread in time."""
     config = make_config(o)
     trace = make_trace(specs)
-    engine_plans, engine_finished = run_engine_loop(config, trace)
+    engine_plans, engine_finished, _ = run_engine_loop(config, trace)
     result = Simulator(config, LAW, record_steps=True).run(trace)
     assert result.plans[0] == engine_plans
     assert len(result.records) == len(trace)
