@@ -20,6 +20,13 @@ def next_token(tokens: list[int], sample: int) -> int:
     return zlib.crc32(bytes(str((tokens, sample)), "ascii")) % VOCAB
 
 
+def next_token_candidates(tokens: list[int], k: int) -> list[tuple[int, float]]:
+    """The 'model's' ``k`` likeliest next tokens (distinct) with made-up
+    log-probabilities, best first: what a beam reports."""
+    h = zlib.crc32(bytes(str(tokens), "ascii"))
+    return [((h + 7 * j) % VOCAB, -0.5 * (j + 1) - (h % 97) / 1000) for j in range(k)]
+
+
 class FakeWorker:
     """Holds (token, position) per device and host KV slot; checks every read
     and write against the request's tokens."""
@@ -65,7 +72,8 @@ class FakeWorker:
             self.check_cached_blocks(request.request_id, request.all_token_ids)
             self.computed_prompt_tokens += max(0, min(start + n, request.num_prompt_tokens) - start)
             if start + n == len(tokens):
-                sample = int(request.request_id.partition("#")[2] or 0)
+                suffix = request.request_id.partition("#")[2]
+                sample = int(suffix) if suffix.isdigit() else 0
                 known = request.all_token_ids
                 accepted = [next_token(known, sample)]
                 for draft in drafts:
@@ -77,6 +85,13 @@ class FakeWorker:
             else:
                 sampled.append([])
         return sampled
+
+    @staticmethod
+    def beam_candidates(out: SchedulerOutput, sampled: list[list[int]]
+                        ) -> dict[int, list[tuple[int, float]]]:
+        """For each beam row that reached its last token, its candidates."""
+        return {row: next_token_candidates(r.all_token_ids, r.beam.num_candidates)
+                for row, r in enumerate(out.requests) if r.beam is not None and sampled[row]}
 
     def check_cached_blocks(self, request_id: str, tokens: list[int]) -> None:
         """Every block of the request that is in the prefix cache holds its

@@ -1,6 +1,6 @@
 """The scheduler and KV cache manager under random load, over every policy and
 option together: both preemption modes, preemption for priority, static
-batching, n > 1 samples, aborts, deadlines with drop_expired, tenant caps,
+batching, n > 1 samples, beam searches, aborts, deadlines with drop_expired, tenant caps,
 prefix caching, chunked prefill and background (batch) requests, in virtual
 time. A fake worker checks that every KV read sees the right tokens and nothing
 shared is written."""
@@ -11,6 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from inflight.core.background import BackgroundTier
+from inflight.core.beam_search import BeamSearch, BeamSearchParams
 from inflight.core.kv_cache_manager import KVCacheManager, cdiv
 from inflight.core.policy import POLICIES, PolicyConfig, make_policy
 from inflight.core.request import FinishReason, Request
@@ -40,6 +41,7 @@ request_spec = st.fixed_dictionaries({
     "shared_prefix": st.booleans(),
     "max_tokens": st.integers(1, 20),
     "n": st.sampled_from([1, 1, 2, 3]),
+    "beam_width": st.sampled_from([0, 0, 0, 1, 2, 3]),  # 0: no beam search
     "priority": st.integers(0, 3),
     "tenant": st.sampled_from(TENANTS),
     "deadline": st.one_of(st.none(), st.integers(1, 30)),  # seconds after arrival
@@ -87,8 +89,17 @@ def build(o: dict, clock: StepClock) -> Scheduler:
 
 
 def make_group(i: int, spec: dict, arrival: float) -> list[Request]:
+    """The request's sequences: ``n`` samples, or the first beam of a search."""
     prompt = (SHARED if spec["shared_prefix"] else []) + spec["prompt"]
     deadline = None if spec["deadline"] is None else arrival + spec["deadline"]
+    width = spec.get("beam_width", 0)
+    if width:
+        leader = Request(f"r{i}#beam0", prompt, SamplingParams(), spec["max_tokens"],
+                         frozenset({EOS}), arrival, spec["priority"], spec["tenant"], deadline,
+                         spec["expected"], background=spec.get("background", False))
+        params = BeamSearchParams(beam_width=width, max_tokens=spec["max_tokens"])
+        BeamSearch(f"r{i}", params, spec["max_tokens"], frozenset({EOS})).start(leader)
+        return [leader]
     return [Request(f"r{i}" + (f"#{j}" if j else ""), prompt, SamplingParams(seed=j),
                     spec["max_tokens"], frozenset({EOS}), arrival, spec["priority"],
                     spec["tenant"], deadline, spec["expected"],
@@ -102,8 +113,10 @@ def check_step(sched: Scheduler, out, o: dict) -> None:
     assert len(out.requests) <= sched.max_num_seqs
     slots = len(sched.running) + sum(len(r.pending_forks) for r in sched.running)
     assert slots <= sched.max_num_seqs
+    assert sched._num_seq_slots() <= sched.max_num_seqs  # beam searches' widths included
     ids = [r.request_id for r in out.requests]
     assert len(ids) == len(set(ids)), "a request planned twice in one step"
+    check_beam_searches(sched)
     for request, n in zip(out.requests, out.num_new_tokens):
         assert n >= 1
         assert request in sched.running
@@ -118,6 +131,25 @@ def check_step(sched: Scheduler, out, o: dict) -> None:
             assert len(parents) <= o["tenant_cap"]
     assert set(kv.owned_blocks()) <= set(sched.requests) | {r.request_id for r in sched.running}
     check_accounting(kv)
+
+
+def check_beam_searches(sched: Scheduler) -> None:
+    """A search runs whole or waits whole (its leader queued, the other beams
+    its pending forks), its beams in step (same length), within its width and
+    its KV bound."""
+    kv = sched.kv_cache
+    searches = {id(r.beam): r.beam for r in [*sched.running, *sched.policy] if r.beam}
+    for search in searches.values():
+        assert not search.is_finished and 1 <= len(search.live) <= search.width
+        assert len({b.num_tokens for b in search.live}) == 1, "beams out of step"
+        running = [b for b in search.live if b in sched.running]
+        queued = [b for b in search.live if b in list(sched.policy)]
+        assert len(queued) == (0 if running else 1)
+        for beam in search.live:
+            if beam not in running and beam not in queued:
+                assert beam.fork_parent in running + queued
+        held = {block for b in search.live for block in kv.block_ids(b.request_id)}
+        assert len(held) <= search.max_kv_blocks(search.num_prompt_tokens, kv.block_size)
 
 
 @settings(max_examples=1000, deadline=None)
@@ -146,10 +178,10 @@ def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
     worker = FakeWorker(kv)
     arrivals = sorted(enumerate(specs), key=lambda x: (x[1]["arrival"], x[0]))
     accepted: list[Request] = []
-    abort_at: dict[int, list[str]] = {}
+    searches: dict[int, BeamSearch] = {}
+    abort_at: dict[int, list[int]] = {}
     for at, index in aborts:
-        abort_at.setdefault(at, []).extend(
-            [f"r{index}", *(f"r{index}#{j}" for j in range(1, 3))])
+        abort_at.setdefault(at, []).append(index)
 
     step = 0
     interactive_seen = None
@@ -161,9 +193,16 @@ def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
             try:
                 sched.add_request(group[0], group[1:])
                 accepted.extend(group)
+                if group[0].beam is not None:
+                    searches[i] = group[0].beam
             except ValueError as e:
-                assert "max_model_len" in str(e) or "max_num_seqs" in str(e)
-        sched.finish_requests(abort_at.get(step, []), FinishReason.ABORT)
+                assert any(word in str(e) for word in ("max_model_len", "max_num_seqs",
+                                                       "KV blocks", "continuous batching"))
+        for index in abort_at.get(step, []):
+            ids = [f"r{index}", *(f"r{index}#{j}" for j in range(1, 3))]
+            if index in searches:  # any live beam ends the whole search
+                ids += [b.request_id for b in searches[index].live][-1:]
+            sched.finish_requests(ids, FinishReason.ABORT)
 
         if any(not r.background and r.fork_parent is None for r in sched.requests.values()):
             interactive_seen = clock.now
@@ -174,8 +213,12 @@ def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
                   and clock.now - interactive_seen <= o.get("linger", 0.0))
         check_background(sched, out, o, background_before, around)
         worker.move_blocks(out)
-        sched.update_from_output(out, worker.execute(out))
+        sampled = worker.execute(out)
+        sched.update_from_output(out, sampled, worker.beam_candidates(out, sampled))
         check_accounting(kv)
+        for search in sched.pop_finished_searches():
+            assert search.is_finished and search.results()
+            assert all(b.is_finished for b in search.live)
         step += 1
         assert step < 3000, "the scheduler stopped making progress"
 
@@ -183,6 +226,10 @@ def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
         assert request.is_finished and request.finish_reason is not None, request
         if request.finish_reason is FinishReason.DEADLINE:
             assert o["drop_expired"]
+    for search in searches.values():
+        assert search.is_finished
+        if search.end_reason is None:  # ran to its end: as many hypotheses as its width
+            assert len(search.results()) == search.width
     assert not sched.requests and not sched.running and len(sched.policy) == 0
     assert kv.num_free_blocks == kv.num_blocks
     assert kv.num_free_host_blocks == kv.num_host_blocks
@@ -217,7 +264,8 @@ def check_background(sched: Scheduler, out, o: dict, background_before: set[str]
 
 
 def sched_request(sched: Scheduler, request_id: str) -> Request:
-    return next(r for r in [*sched.policy, *sched.running] if r.request_id == request_id)
+    waiting = [*sched.policy, *(f for r in sched.policy for f in r.pending_forks)]
+    return next(r for r in [*waiting, *sched.running] if r.request_id == request_id)
 
 
 def _ended(sched: Scheduler, ids: set[str]) -> set[str]:

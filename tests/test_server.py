@@ -475,6 +475,34 @@ def test_best_of(server, client, model):
     assert server.wait_idle()
 
 
+def test_beam_search(server, client, model, default_llm):
+    from inflight import BeamSearchParams
+
+    prompt = "The capital of France is"
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=6, n=2,
+                                    extra_body={"use_beam_search": True, "beam_width": 4})
+    ids = default_llm.get_tokenizer().encode(prompt)
+    expected = default_llm.beam_search([{"prompt_token_ids": ids}],
+                                       BeamSearchParams(beam_width=4, max_tokens=6))[0]
+    assert [c.text for c in out.choices] == [s.text for s in expected.sequences[:2]]
+    assert [c.index for c in out.choices] == [0, 1]
+    width_n = client.completions.create(model=model, prompt=prompt, max_tokens=6, n=4,
+                                        extra_body={"use_beam_search": True})
+    assert [c.text for c in width_n.choices] == [s.text for s in expected.sequences]
+    for extra, param in [({"stream": True}, "stream"), ({"temperature": 0.8}, "temperature"),
+                         ({"n": 3, "beam_width": 2}, "n"), ({"logprobs": 2}, "logprobs"),
+                         ({"stop": ["."]}, "stop"), ({"beam_width": 0}, "beam_width"),
+                         ({"length_penalty": "long"}, "length_penalty")]:
+        r = httpx.post(f"{server.url}/v1/completions", json={
+            "prompt": "Hi", "max_tokens": 2, "use_beam_search": True, **extra})
+        assert r.status_code == 400 and param in (r.json()["error"]["param"] or ""), (extra,
+                                                                                       r.text)
+    r = httpx.post(f"{server.url}/v1/completions",
+                   json={"prompt": "Hi", "max_tokens": 2, "beam_width": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "beam_width"
+    assert server.wait_idle()
+
+
 # ---------------------------------------------------------- hardening (issue 10)
 NESTED = [b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
           b'{"prompt": "hi", "stop": ' + b"[" * 200 + b"]" * 200 + b"}",

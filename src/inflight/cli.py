@@ -262,6 +262,22 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--output-json", default=None)
     bb.set_defaults(func=_bench_batch)
 
+    pk = bench.add_parser("packing", help="training steps on padded batches against packed "
+                                          "rows: padding waste and tokens per second")
+    pk.add_argument("--workload", default="mixed", choices=("mixed", "sharegpt-like"),
+                    help="where the lengths come from (prompt + completion)")
+    pk.add_argument("--num-sequences", type=int, default=256)
+    pk.add_argument("--batch-size", type=int, default=8, help="sequences per padded batch")
+    pk.add_argument("--budget", type=int, default=1024, help="tokens per packed row")
+    pk.add_argument("--rows", type=int, default=2, help="packed rows per step (packed)")
+    pk.add_argument("--hidden-size", type=int, default=256)
+    pk.add_argument("--num-layers", type=int, default=4)
+    pk.add_argument("--vocab-size", type=int, default=8192)
+    pk.add_argument("--num-threads", type=int, default=None)
+    pk.add_argument("--seed", type=int, default=0)
+    pk.add_argument("--output-json", default=None)
+    pk.set_defaults(func=_bench_packing)
+
     sw = bench.add_parser("sweep", help="continuous vs static over batch sizes, with plots")
     _add_bench_args(sw)
     sw.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
@@ -420,6 +436,12 @@ def _bench_batch(args: argparse.Namespace) -> int:
     from inflight.bench import batch_cost
 
     return batch_cost.command(args, engine_config_from_args(args))
+
+
+def _bench_packing(args: argparse.Namespace) -> int:
+    from inflight.bench import packing
+
+    return packing.command(args)
 
 
 def _bench_sweep(args: argparse.Namespace) -> int:

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import enum
 import logging
+from typing import TYPE_CHECKING
 
 from inflight.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from inflight.core.beam_search import BeamSearch
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,8 @@ class Request:
     records what happened to the request, with timestamps.
 
     The other samples of a prompt (``n`` > 1) wait in ``pending_forks`` until
-    this request has computed the prompt; then they start from its KV."""
+    this request has computed the prompt; then they start from its KV. A beam
+    of a beam search points at its search (``beam``)."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, max_tokens: int,
@@ -76,6 +81,7 @@ class Request:
         self.draft_token_ids: list[int] = []
         self.pending_forks: list[Request] = []
         self.fork_parent: Request | None = None  # while this one is a pending fork
+        self.beam: BeamSearch | None = None
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -99,6 +105,20 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.history: list[tuple[str, float, str]] = []  # "queued" first, by the scheduler
+
+    def spawn(self, request_id: str, token_ids: list[int]) -> Request:
+        """A new request like this one (same prompt length, options and search)
+        holding ``token_ids``, which start with this one's tokens."""
+        child = Request(request_id, token_ids[:self.num_prompt_tokens], self.sampling_params,
+                        self.max_tokens, self.eos_token_ids, self.arrival_time, self.priority,
+                        self.tenant, self.deadline, self.expected_output_tokens,
+                        self.cache_salt, self.background)
+        child.all_token_ids = list(token_ids)
+        child.block_hashes = list(self.block_hashes)  # of leading blocks both hold
+        child.beam = self.beam
+        child.first_scheduled_time = self.first_scheduled_time
+        child.first_token_time = self.first_token_time
+        return child
 
     @property
     def prompt_token_ids(self) -> list[int]:

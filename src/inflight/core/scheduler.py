@@ -26,6 +26,13 @@ keeping its KV.
 
 The samples of an ``n`` > 1 request are admitted as one: the first computes the
 prompt, and the step that finishes it forks the others onto its KV blocks.
+The beams of a beam search (``core.beam_search``) are requests too: a beam
+that has computed its last token waits (nothing to compute, its KV kept) until
+its search's other beams have too; then the search picks the next beams, which
+reuse or fork their parents' KV, and the dropped ones are freed. A search
+holds ``beam_width`` sequence slots from its admission on, counts as one
+request to the policy, and is preempted as a whole, by recompute: its beams
+come back as pending forks of one of them.
 
 ``update_from_output()`` applies each request's accepted tokens (one for a
 decode; several when drafts were verified), finishes requests that hit a stop
@@ -42,9 +49,10 @@ so a simulator can drive it in virtual time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from inflight.core.beam_search import BeamSearch
 from inflight.core.kv_cache_manager import KVCacheManager, cdiv
 from inflight.core.policy import SchedulingPolicy
 from inflight.core.request import FinishReason, Request, RequestStatus
@@ -134,6 +142,8 @@ class Scheduler:
         self._ended_ids: list[str] = []
         self._pending_copies: list[tuple[int, int]] = []
         self._background_budget = 0  # this step's tokens left to background requests
+        self._finished_searches: list[BeamSearch] = []
+        self._ended_beams: list[str] = []
 
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request, forks: list[Request] | tuple[()] = ()) -> None:
@@ -151,6 +161,8 @@ class Scheduler:
         if 1 + len(forks) > self.max_num_seqs:
             raise ValueError(f"n or best_of ({1 + len(forks)}) exceeds max_num_seqs="
                              f"{self.max_num_seqs}")
+        if request.beam is not None:
+            self._check_beam_search(request)
         for r in (request, *forks):
             if r.arrival_time is None:
                 r.arrival_time = self.clock()
@@ -161,6 +173,30 @@ class Scheduler:
             self.requests[fork.request_id] = fork
         request.pending_forks = list(forks)
         self.policy.add(request)
+
+    def _check_beam_search(self, request: Request) -> None:
+        search, kv = request.beam, self.kv_cache
+        if search.width > self.max_num_seqs:
+            raise ValueError(f"beam_width ({search.width}) exceeds max_num_seqs="
+                             f"{self.max_num_seqs}")
+        need = search.max_kv_blocks(request.num_prompt_tokens, kv.block_size)
+        if need > kv.num_blocks:
+            raise ValueError(f"a beam search of width {search.width} over "
+                             f"{request.num_prompt_tokens} prompt tokens with max_tokens="
+                             f"{search.max_tokens} may need {need} KV blocks, more than the "
+                             f"cache's {kv.num_blocks}")
+
+    def pop_finished_searches(self) -> list[BeamSearch]:
+        """The beam searches that ended since the last call (their beams are
+        already freed; their results are on them)."""
+        searches, self._finished_searches = self._finished_searches, []
+        return searches
+
+    def pop_ended_beams(self) -> list[str]:
+        """The ids of the beams that ended since the last call: dropped by their
+        search, or ended with it."""
+        ended, self._ended_beams = self._ended_beams, []
+        return ended
 
     def finish_requests(self, request_ids: list[str] | str, reason: FinishReason) -> list[Request]:
         """End live requests (abort, stop string); unknown or ended ids are ignored."""
@@ -205,6 +241,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             pending = request.num_tokens - request.num_computed_tokens
+            if pending == 0:  # a beam waiting for the rest of its search
+                i += 1
+                continue
             if pending > 1 and self._outranked_by_waiting(request):
                 deferred.append(request)
                 i += 1
@@ -228,14 +267,16 @@ class Scheduler:
                     drafts = []
                     continue
                 victim = self.policy.pick_victim(self.running)
-                if self.running.index(victim) < i:  # passed already: planned, deferred or held
-                    if victim in out.requests:
-                        budget += self._unschedule(out, victim)
-                    elif victim in deferred:
-                        deferred.remove(victim)
-                    i -= 1
+                together = self._preempted_with(victim)
+                passed = [m for m in together if self.running.index(m) < i]
+                for member in passed:  # planned, deferred, held or waiting for its search
+                    if member in out.requests:
+                        budget += self._unschedule(out, member)
+                    elif member in deferred:
+                        deferred.remove(member)
+                i -= len(passed)
                 self._preempt(out, victim, "out of KV blocks", now)
-                if victim is request:
+                if request in together:
                     preempted_self = True
                     break
             if preempted_self:
@@ -291,7 +332,7 @@ class Scheduler:
                 return False
             victim = self.policy.pick_victim(self.running)
             self._preempt(out, victim, "out of KV blocks", now)
-            if victim is request:
+            if request not in self.running:
                 return False
         return True
 
@@ -303,7 +344,8 @@ class Scheduler:
         drafts = request.draft_token_ids
         if not drafts:
             return drafts
-        if pending != 1 or request.num_output_tokens == 0 or request.pending_forks:
+        if (pending != 1 or request.num_output_tokens == 0 or request.pending_forks
+                or request.beam is not None):
             return []
         room = min(budget - 1, self.max_model_len - request.num_tokens,
                    request.max_tokens - request.num_output_tokens - 1)
@@ -366,7 +408,7 @@ class Scheduler:
             limit = self._limit(request, budget)
             if limit <= 0:
                 break  # background requests come last: none runs this step
-            no_slot = self._num_seq_slots() + 1 + len(request.pending_forks) > self.max_num_seqs
+            no_slot = self._num_seq_slots() + self._seqs_of(request) > self.max_num_seqs
             if no_slot and not self.preempt_for_priority and not any(
                     self.policy.yields(r, request) for r in self._live_running()):
                 break  # before the prefix-cache look-up, which would be wasted
@@ -420,8 +462,18 @@ class Scheduler:
         return kv.allocate_slots(request.request_id, num_tokens, cached) is not None
 
     def _num_seq_slots(self) -> int:
-        """Sequence slots taken: running requests and the forks they will make."""
-        return len(self.running) + sum(len(r.pending_forks) for r in self.running)
+        """Sequence slots taken: running requests, the forks they will make, and
+        the rest of the width of the beam searches they belong to."""
+        slots = len(self.running) + sum(len(r.pending_forks) for r in self.running)
+        searches = {id(r.beam): r.beam for r in self.running if r.beam is not None}
+        return slots + sum(s.width - len(s.live) for s in searches.values())
+
+    @staticmethod
+    def _seqs_of(request: Request) -> int:
+        """The sequence slots a waiting request takes once admitted."""
+        search = request.beam
+        return 1 + len(request.pending_forks) + (0 if search is None
+                                                 else search.width - len(search.live))
 
     def _displace_for(self, out: SchedulerOutput, request: Request, admitted: set[str],
                       now: float) -> int | None:
@@ -435,7 +487,8 @@ class Scheduler:
         if not (self.policy.yields(victim, request) or (
                 self.preempt_for_priority and self.policy.outranks(request, victim))):
             return None
-        freed = self._unschedule(out, victim) if victim in out.requests else 0
+        freed = sum(self._unschedule(out, member) for member in self._preempted_with(victim)
+                    if member in out.requests)
         self._preempt(out, victim, f"outranked by {request.request_id}", now)
         return freed
 
@@ -462,9 +515,19 @@ class Scheduler:
         request.draft_token_ids = []
         return tokens
 
+    def _preempted_with(self, victim: Request) -> list[Request]:
+        """The running requests that preempting ``victim`` sends back to waiting:
+        itself, or every running beam of its beam search."""
+        if victim.beam is None:
+            return [victim]
+        return [r for r in self.running if r.beam is victim.beam]
+
     def _preempt(self, out: SchedulerOutput, request: Request, reason: str, now: float) -> None:
         """Send a running request back to waiting: its KV copied to host memory
-        (swap) or dropped, to be recomputed."""
+        (swap) or dropped, to be recomputed. A beam takes its search with it."""
+        if request.beam is not None:
+            self._preempt_search(out, request.beam, reason, now)
+            return
         self.running.remove(request)
         request.draft_token_ids = []
         pairs = None
@@ -489,6 +552,30 @@ class Scheduler:
         out.preempted_request_ids.append(request.request_id)
         self.policy.requeue(request)
 
+    def _preempt_search(self, out: SchedulerOutput, search: BeamSearch, reason: str,
+                        now: float) -> None:
+        """Preempt every running beam of a search, by recompute (shared blocks
+        would not survive a swap): one of them waits in the queue, the others
+        as its pending forks, so that they share their common prefix again."""
+        members = [r for r in self.running if r.beam is search]
+        leader = next((r for r in members if r.pending_forks), members[0])
+        for member in members:
+            self.running.remove(member)
+            member.draft_token_ids = []
+            self.kv_cache.free(member.request_id)
+            member.status = RequestStatus.PREEMPTED
+            member.num_computed_tokens = 0
+            member.num_preemptions += 1
+            member.record("preempted", now, f"{reason}; its beam search's KV to be recomputed")
+            out.preempted_request_ids.append(member.request_id)
+            self.stats.num_preemptions += 1
+            if member is not leader:
+                member.fork_parent = leader
+                leader.pending_forks.append(member)
+        search.reports = {}
+        search.num_preemptions += 1
+        self.policy.requeue(leader)
+
     def _drop_expired(self, out: SchedulerOutput, now: float) -> None:
         """End every request whose deadline has passed (``drop_expired``)."""
         expired = [r for r in [*self.policy, *self._live_running()]
@@ -498,20 +585,27 @@ class Scheduler:
             out.expired.append(request)
 
     # ----------------------------------------------------------------- update
-    def update_from_output(self, out: SchedulerOutput,
-                           new_token_ids: list[Sequence[int]]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, new_token_ids: list[Sequence[int]],
+                           beam_candidates: Mapping[int, Sequence[tuple[int, float]]] | None
+                           = None) -> list[Request]:
         """Advance each scheduled request by its computed tokens and append its
         accepted tokens (none for a prompt chunk that does not end the prompt;
         one for a decode; several for verified drafts). Each appended token is
         checked for a stop condition; tokens after a stop are dropped. Returns
-        the requests that received tokens, finished ones included."""
+        the requests that received tokens, finished ones included.
+
+        A beam that computed its last token reports ``beam_candidates[row]``
+        (its likeliest next tokens and their log-probabilities) to its search
+        instead; searches whose beams have all reported take their next step
+        (``pop_finished_searches`` hands over the ones that ended)."""
         now = self.clock()
         updated = []
         generated = 0
         counts_tokens = self.policy.counts_tokens
         caching, block_size = self.kv_cache.enable_caching, self.kv_cache.block_size
-        for request, num_new, tokens, drafts in zip(out.requests, out.num_new_tokens,
-                                                    new_token_ids, out.draft_token_ids):
+        ready: list[BeamSearch] = []
+        for row, (request, num_new, tokens, drafts) in enumerate(zip(
+                out.requests, out.num_new_tokens, new_token_ids, out.draft_token_ids)):
             start = request.num_computed_tokens
             if counts_tokens:
                 self._account(request, start, num_new)
@@ -526,13 +620,51 @@ class Scheduler:
                 self.kv_cache.cache_blocks(request)  # a block was filled
             if request.pending_forks and request.num_computed_tokens >= request.num_prompt_tokens:
                 self._fork(request, now)
+            if request.beam is not None:
+                if tokens and request.beam.report(request, beam_candidates[row]):
+                    ready.append(request.beam)
+                continue
             if tokens:
                 appended = self._append_tokens(request, tokens, now)
                 if appended:
                     generated += appended
                     updated.append(request)
+        for search in ready:
+            generated += self._advance_search(search, now)
         self.stats.num_generated_tokens += generated
         return updated
+
+    def _advance_search(self, search: BeamSearch, now: float) -> int:
+        """Carry out a beam search's step: free the dropped beams, fork a parent
+        for each next beam after the first it gives (sharing its KV), append
+        each next beam's token; or, once the search is done, end every beam.
+        Returns the tokens appended."""
+        step = search.advance()
+        if step.done:
+            for beam in search.live:
+                self._finish(beam, FinishReason.STOP, now)
+                self._release(beam)
+            self._finished_searches.append(search)
+            return 0
+        for beam in step.dropped:
+            beam.record("pruned", now, "no next beam came from it")
+            self._finish(beam, FinishReason.STOP, now)
+            self._release(beam)
+        next_beams: list[tuple[Request, float]] = []
+        first_token: dict[int, tuple[Request, int]] = {}
+        for parent, token, score in step.kept:
+            if id(parent) not in first_token:
+                first_token[id(parent)] = (parent, token)
+                next_beams.append((parent, score))
+                continue
+            child = parent.spawn(search.new_beam_id(), [*parent.all_token_ids, token])
+            self.requests[child.request_id] = child
+            self._start_fork(parent, child, parent.num_computed_tokens, now)
+            next_beams.append((child, score))
+        for parent, token in first_token.values():
+            parent.append_output_token(token, now)
+        search.set_live(next_beams)
+        return len(next_beams)
 
     def _apply_verified(self, request: Request, start: int, drafts: list[int],
                         tokens: Sequence[int], now: float) -> int:
@@ -584,26 +716,48 @@ class Scheduler:
         self._release(request)
 
     def _fork(self, parent: Request, now: float) -> None:
-        """Start the parent's other samples from its KV: each shares the blocks of
-        all prompt tokens but the last, which it computes itself for its own
-        first token."""
+        """Start the parent's pending forks from its KV: each shares the KV of
+        the tokens it has in common with the parent (all prompt tokens but the
+        last, for the samples of a prompt) and computes the rest itself."""
         for child in parent.pending_forks:
-            shared, copy = self.kv_cache.fork(parent.request_id, child.request_id,
-                                              parent.num_prompt_tokens - 1)
-            if copy is not None:
-                self._pending_copies.append(copy)
             child.fork_parent = None
-            child.num_computed_tokens = shared
-            child.status = RequestStatus.RUNNING
-            child.first_scheduled_time = now
-            child.record("forked", now, f"from {parent.request_id}, sharing {shared} tokens of KV")
-            self.policy.on_fork(child)
-            self.running.append(child)
+            common = child.num_prompt_tokens
+            if child.num_output_tokens:  # a beam of a preempted search
+                common = next((k for k, (a, b) in enumerate(
+                    zip(parent.all_token_ids, child.all_token_ids)) if a != b),
+                    min(parent.num_tokens, child.num_tokens))
+            self._start_fork(parent, child, min(common, child.num_tokens - 1,
+                                                parent.num_computed_tokens), now)
         parent.pending_forks = []
+
+    def _start_fork(self, parent: Request, child: Request, num_tokens: int, now: float) -> None:
+        """Start ``child`` running with the parent's KV of its first
+        ``num_tokens`` positions (full blocks shared, a partial one copied)."""
+        shared, copy = self.kv_cache.fork(parent.request_id, child.request_id, num_tokens)
+        if copy is not None:
+            self._pending_copies.append(copy)
+        child.num_computed_tokens = shared
+        child.status = RequestStatus.RUNNING
+        if child.first_scheduled_time is None:
+            child.first_scheduled_time = now
+        child.record("forked", now, f"from {parent.request_id}, sharing {shared} tokens of KV")
+        if child.beam is None:  # (a beam search is one request to the policy)
+            self.policy.on_fork(child)
+        self.running.append(child)
 
     def _end(self, request: Request, reason: FinishReason, now: float | None = None) -> None:
         """Finish a live request now, wherever it is, and free its blocks; the
-        samples still waiting to fork from it end with it."""
+        samples still waiting to fork from it end with it, and a beam ends its
+        whole search."""
+        if request.request_id not in self.requests:
+            return  # ended already, with its search
+        search = request.beam
+        if search is not None and not search.is_finished:
+            search.end(reason)
+            for beam in list(search.live):
+                self._end(beam, reason, now)
+            self._finished_searches.append(search)
+            return
         for fork in list(request.pending_forks):
             self._end(fork, reason, now)
         parent = request.fork_parent
@@ -625,14 +779,18 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason, now: float | None,
                 known_to_policy: bool = True) -> None:
         """Mark a request finished for its caller (its blocks are freed separately).
-        A pending fork is not ``known_to_policy`` yet."""
+        A pending fork is not ``known_to_policy`` yet; a beam search is one
+        request to the policy, released with its last beam."""
         now = self.clock() if now is None else now
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_time = now
         request.record("finished", now, reason.value)
         del self.requests[request.request_id]
-        if known_to_policy:
+        if request.beam is not None:
+            self._ended_beams.append(request.request_id)
+        if known_to_policy and (request.beam is None or all(
+                b.is_finished for b in request.beam.live)):
             self.policy.release(request)
 
     def _release(self, request: Request) -> None:

@@ -20,6 +20,12 @@ class StaticBatchScheduler(Scheduler):
     # Whether the current batch may still take members.
     _batch_open = True
 
+    def add_request(self, request: Request, forks: list[Request] | tuple[()] = ()) -> None:
+        if request.beam is not None:
+            raise ValueError("beam search needs continuous batching (the static baseline "
+                             "does not run it)")
+        super().add_request(request, forks)
+
     def _may_admit(self, out: SchedulerOutput) -> bool:
         if not self.running:
             self._batch_open = True
@@ -63,8 +69,8 @@ class StaticBatchScheduler(Scheduler):
     def _others_live(self, request: Request) -> bool:
         return any(not r.padding and r is not request for r in self.running)
 
-    def update_from_output(self, out: SchedulerOutput,
-                           new_token_ids: list[Sequence[int]]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, new_token_ids: list[Sequence[int]],
+                           beam_candidates: None = None) -> list[Request]:
         updated = super().update_from_output(out, new_token_ids)
         if self.running and all(r.padding for r in self.running):
             for request in list(self.running):  # the batch is done

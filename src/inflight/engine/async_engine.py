@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from inflight.config import EngineConfig
+from inflight.core.beam_search import BeamSearchParams
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.client import EngineLoad, ModelInfo, TokenizerOps
 from inflight.engine.engine_core import EngineCore, PreparedRequest, PromptType, StepStats
@@ -150,7 +151,7 @@ class AsyncEngine(TokenizerOps):
             self._inbox.append(("abort", request_id))
             self._lock.notify()
 
-    async def generate(self, prompt: PromptType, params: SamplingParams, *,
+    async def generate(self, prompt: PromptType, params: SamplingParams | BeamSearchParams, *,
                        request_id: str | None = None, stream: bool = True, **scheduling: Any
                        ) -> AsyncIterator[RequestOutput]:
         """A request's outputs until it finishes: deltas at every step with news

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from inflight.core.beam_search import BeamSearchParams
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.output import RequestOutput
 from inflight.model.tokenizer import Tokenizer
@@ -60,7 +61,7 @@ class EngineClient(Protocol):
 
     def load(self) -> EngineLoad: ...
 
-    def generate(self, prompt: Any, params: SamplingParams, *, request_id: str | None = None,
+    def generate(self, prompt: Any, params: SamplingParams | BeamSearchParams, *, request_id: str | None = None,
                  stream: bool = True, **scheduling: Any) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes: with ``stream``, each output
         holds only what is new since the last (deltas), else there is one final

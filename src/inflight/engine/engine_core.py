@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from inflight.core.beam_search import BeamSearch, BeamSearchParams
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.request import FinishReason, Request
 from inflight.core.sampling_params import SamplingParams
@@ -43,7 +44,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     sequences: list[Request]
     kind: OutputKind
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
 
 
 @dataclass
@@ -78,9 +79,11 @@ class StepStats:
     first_token_ids: list[str] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     # (finish reason, end-to-end seconds, prompt tokens, generated tokens), and
-    # the sequences they belong to
+    # the sequences they belong to (a beam search's request id, once)
     finished: list[tuple[str, float, int, int]] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    # Beams that left the batch: dropped by their search or ended with it.
+    ended_beam_ids: list[str] = field(default_factory=list)
     spec: SpecStats | None = None  # drafts verified (speculative decoding)
 
 
@@ -153,10 +156,12 @@ class EngineCore:
             raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})")
         return ids
 
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
+    def add_request(self, prompt: PromptType,
+                    params: SamplingParams | BeamSearchParams | None = None, *,
                     request_id: str | None = None, kind: OutputKind = OutputKind.FINAL,
                     **scheduling: Any) -> str:
-        """Queue a request (``params.n`` sequences over one prompt); returns its id.
+        """Queue a request (``params.n`` sequences over one prompt, or a beam
+        search with BeamSearchParams); returns its id.
         ``step()`` reports it as ``kind`` says: at every step with news (DELTA),
         or once finished (FINAL). Scheduling options are those of
         ``prepare_request``. Raises ValueError, queueing nothing, if it can
@@ -166,7 +171,8 @@ class EngineCore:
         self.submit(prepared)
         return prepared.request_id
 
-    def prepare_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
+    def prepare_request(self, prompt: PromptType,
+                        params: SamplingParams | BeamSearchParams | None = None, *,
                         request_id: str | None = None, kind: OutputKind = OutputKind.FINAL,
                         arrival_time: float | None = None, priority: int = 0,
                         tenant: str | None = None, deadline_ms: float | None = None,
@@ -184,9 +190,11 @@ class EngineCore:
         ``background``: batch work, run only in capacity that interactive
         requests leave idle (``core.background``)."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if params.stop and self.tokenizer is None:
+        beam = isinstance(params, BeamSearchParams)
+        if not (beam or isinstance(params, SamplingParams)):
+            raise ValueError(f"sampling params must be a SamplingParams or BeamSearchParams, "
+                             f"got {type(params).__name__}")
+        if not beam and params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
         text, ids = self.tokenize_prompt(prompt)
         if len(ids) > self.max_model_len:
@@ -211,6 +219,11 @@ class EngineCore:
             raise ValueError(f"background must be true or false, got {background!r}")
         arrival = self.clock() if arrival_time is None else arrival_time
         deadline = None if deadline_ms is None else arrival + deadline_ms / 1000
+        scheduling = (arrival, priority, tenant, deadline, expected_output_tokens, cache_salt,
+                      background)
+        if beam:
+            leader = self._beam_leader(request_id, ids, params, max_tokens, scheduling)
+            return PreparedRequest(request_id, text, ids, [leader], OutputKind.FINAL, params)
         count = params.num_samples
         ranked = count > params.n  # best_of: each sample's log-probabilities are needed
         sequences = []
@@ -223,9 +236,26 @@ class EngineCore:
                     "logprobs": 0 if ranked and params.logprobs is None else params.logprobs})
             seq_id = request_id if count == 1 else f"{request_id}#{i}"
             sequences.append(Request(seq_id, ids, seq_params, max_tokens, self.eos_token_ids,
-                                     arrival, priority, tenant, deadline,
-                                     expected_output_tokens, cache_salt, background))
+                                     *scheduling))
         return PreparedRequest(request_id, text, ids, sequences, kind, params)
+
+    def _beam_leader(self, request_id: str, ids: list[int], params: BeamSearchParams,
+                     max_tokens: int, scheduling: tuple[Any, ...]) -> Request:
+        """The first beam of a beam search: greedy rows that ask the sampler for
+        as many top log-probabilities as the search looks at per step."""
+        leader_params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                       ignore_eos=params.ignore_eos, speculative=False)
+        leader = Request(f"{request_id}#beam0", ids, leader_params, max_tokens,
+                         self.eos_token_ids, *scheduling)
+        search = BeamSearch(request_id, params, max_tokens, leader.stop_token_ids)
+        if search.num_candidates > self.model.vocab_size:
+            raise ValueError(f"beam_width {search.width} looks at {search.num_candidates} "
+                             f"tokens per step, more than the vocabulary's "
+                             f"{self.model.vocab_size}")
+        # (Beyond the API's cap on logprobs: these rows are the engine's own.)
+        leader_params.logprobs = search.num_candidates
+        search.start(leader)
+        return leader
 
     def submit(self, prepared: PreparedRequest) -> None:
         """Queue a prepared request; ValueError if its id is in use."""
@@ -272,8 +302,10 @@ class EngineCore:
                                        num_preempted=len(out.preempted_request_ids),
                                        preempted_ids=list(out.preempted_request_ids),
                                        kv_cache_usage=kv.usage)
-            self._record_finished(self.last_step, out.expired)
-            return self.output_processor.process([], {}, out.expired, {}, self._finish_sequence)
+            searches = self.scheduler.pop_finished_searches()
+            self._record_finished(self.last_step, out.expired, searches)
+            return self.output_processor.process([], {}, out.expired, {}, self._finish_sequence,
+                                                 searches)
         live = [(r, n) for r, n in zip(out.requests, out.num_new_tokens) if not r.padding]
         computed_before = [r.num_computed_tokens for r, _ in live]
         row_prompt_tokens = [min(n, max(0, r.num_prompt_tokens - done))
@@ -283,12 +315,23 @@ class EngineCore:
         last_token_times = {r.request_id: r.last_token_time for r in out.requests}
         result = self.runner.execute(out)
         generated = self.scheduler.stats.num_generated_tokens
-        updated = self.scheduler.update_from_output(out, result.new_token_ids)
-        logprobs = {out.requests[row].request_id: lp for row, lp in result.logprobs.items()}
-        failed = {out.requests[row].request_id: message
-                  for row, message in result.errors.items()}
+        beam_rows = {row: list(zip(lps[0].top_token_ids, lps[0].top_logprobs))
+                     for row, lps in result.logprobs.items()
+                     if out.requests[row].beam is not None}
+        updated = self.scheduler.update_from_output(out, result.new_token_ids, beam_rows)
+        logprobs = {out.requests[row].request_id: lp for row, lp in result.logprobs.items()
+                    if row not in beam_rows}
+        failed = {}
+        for row, message in result.errors.items():
+            seq = out.requests[row]
+            if seq.beam is None:
+                failed[seq.request_id] = message
+            else:  # the whole search ends with the error
+                self.scheduler.finish_requests(seq.request_id, FinishReason.ERROR)
+                seq.beam.error = message
+        searches = self.scheduler.pop_finished_searches()
         outputs = self.output_processor.process(updated, logprobs, out.expired, failed,
-                                                self._finish_sequence)
+                                                self._finish_sequence, searches)
         stats = StepStats(
             num_requests=len(live_ids), num_padding=len(padding_ids),
             num_tokens=out.total_num_tokens,
@@ -319,16 +362,30 @@ class EngineCore:
         ended = [*out.expired, *(s for s in updated if s.is_finished)]
         if failed:
             ended += [r for r in out.requests if r.request_id in failed]
-        self._record_finished(stats, ended)
+        self._record_finished(stats, ended, searches)
         self.last_step = stats
         return outputs
 
-    @staticmethod
-    def _record_finished(stats: StepStats, finished: list[Request]) -> None:
+    def _record_finished(self, stats: StepStats, finished: list[Request],
+                         searches: list[BeamSearch]) -> None:
+        """Note the sequences that ended, and each beam search once, by its best
+        hypothesis (aborted ones are not noted, as aborted sequences are not)."""
         for seq in finished:
-            stats.finished.append((seq.finish_reason.value, seq.finished_time - seq.arrival_time,
-                                   seq.num_prompt_tokens, seq.num_output_tokens))
-            stats.finished_ids.append(seq.request_id)
+            if seq.beam is None:
+                stats.finished.append((seq.finish_reason.value,
+                                       seq.finished_time - seq.arrival_time,
+                                       seq.num_prompt_tokens, seq.num_output_tokens))
+                stats.finished_ids.append(seq.request_id)
+        now = self.clock()
+        stats.ended_beam_ids = self.scheduler.pop_ended_beams()
+        for search in searches:
+            if search.end_reason is FinishReason.ABORT:
+                continue
+            best = search.results()[:1]
+            stats.finished.append((best[0].finish_reason if best else search.end_reason.value,
+                                   now - search.arrival_time, search.num_prompt_tokens,
+                                   len(best[0].token_ids) if best else 0))
+            stats.finished_ids.append(search.request_id)
 
     def reset_prefix_cache(self) -> int:
         """Forget all cached KV blocks; returns how many were forgotten."""
@@ -339,7 +396,8 @@ class EngineCore:
         ``seconds`` without being scheduled (background ones wait for idle
         capacity as long as it takes); returns their ids."""
         now = self.clock() if now is None else now
-        expired = {self.output_processor.request_id_of(r.request_id)
+        expired = {r.beam.request_id if r.beam is not None
+                   else self.output_processor.request_id_of(r.request_id)
                    for r in self.scheduler.policy
                    if r.first_scheduled_time is None and not r.background
                    and now - r.arrival_time > seconds}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
 from inflight.config import EngineConfig
+from inflight.core.beam_search import BeamSearchParams
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.engine_core import PromptType
 from inflight.engine.factory import build_engine_core
@@ -15,6 +17,27 @@ from inflight.engine.output import RequestOutput
 from inflight.model.tokenizer import Tokenizer
 
 ChatMessages = list[dict[str, Any]]
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis of a beam search, as vLLM's: ``tokens`` are the prompt's
+    and the generated ones (an ending EOS included); ``text`` is the generated
+    text; ``score`` is ``cum_logprob`` divided by the generated length to the
+    power ``length_penalty``, which ranks the hypotheses."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    score: float
+    finish_reason: str
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beam search: ``beam_width`` hypotheses, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 class LLM:
@@ -34,7 +57,8 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 sampling_params: SamplingParams | BeamSearchParams
+                 | Sequence[SamplingParams | BeamSearchParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
@@ -47,7 +71,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None or isinstance(sampling_params, (SamplingParams,
+                                                                     BeamSearchParams)):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params_list = list(sampling_params)
@@ -65,6 +90,19 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (prompts as in ``generate``), all of them
+        in the same continuous batch; outputs in input order."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        outputs = self.generate(prompts, [params] * len(prompts), use_tqdm)  # type: ignore[list-item]
+        return [BeamSearchOutput([
+            BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob,
+                               c.score, c.finish_reason) for c in o.outputs]) for o in outputs]
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

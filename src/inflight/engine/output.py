@@ -13,15 +13,18 @@ that do not yet form complete UTF-8 are never emitted.
 Handling one sequence's new tokens may fail (a detokenizer fault, say): that
 request then ends with finish reason ``error`` and an ``error`` message, and
 the other requests of the step go on.
+
+A beam search reports once, when it ends: its hypotheses, best first.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from inflight.core.beam_search import BeamSearch, BeamSearchParams
 from inflight.core.request import FinishReason, Request
 from inflight.core.sampling_params import SamplingParams
 from inflight.model.tokenizer import Tokenizer
@@ -58,6 +61,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Beam search: the length-penalized score the hypotheses are ranked by.
+    score: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -193,6 +198,17 @@ class _Group:
         return len(self.samples) > self.num_returned
 
 
+@dataclass
+class _BeamRequest:
+    """A caller's beam search request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    search: BeamSearch
+    leader: Request  # its first beam: arrival, scheduling and cache figures
+
+
 class OutputProcessor:
     """Keeps each request's detokenization state and builds RequestOutputs."""
 
@@ -200,10 +216,16 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._groups: dict[str, _Group] = {}
         self._sample_of: dict[str, tuple[_Group, _Sample]] = {}  # by sequence request id
+        self._beams: dict[str, _BeamRequest] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            sequences: list[Request], kind: OutputKind, params: SamplingParams) -> None:
-        """Follow a request's sequences."""
+            sequences: list[Request], kind: OutputKind,
+            params: SamplingParams | BeamSearchParams) -> None:
+        """Follow a request's sequences (for a beam search, its first beam)."""
+        if isinstance(params, BeamSearchParams):
+            self._beams[request_id] = _BeamRequest(request_id, prompt, prompt_token_ids,
+                                                   sequences[0].beam, sequences[0])
+            return
         group = _Group(request_id, prompt, prompt_token_ids, kind, params.n,
                        params.logprobs is not None)
         for seq in sequences:
@@ -217,6 +239,9 @@ class OutputProcessor:
 
     def remove(self, request_id: str) -> list[str]:
         """Forget a request; returns its sequences' ids."""
+        beam = self._beams.pop(request_id, None)
+        if beam is not None:
+            return [b.request_id for b in beam.search.live]
         group = self._groups.pop(request_id, None)
         if group is None:
             return []
@@ -230,17 +255,24 @@ class OutputProcessor:
         return None if entry is None else entry[0].request_id
 
     def sequence_ids(self, request_id: str) -> list[str]:
+        beam = self._beams.get(request_id)
+        if beam is not None:
+            return [b.request_id for b in beam.search.live]
         group = self._groups.get(request_id)
         return [] if group is None else [s.request.request_id for s in group.samples]
 
     def process(self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]],
                 ended: list[Request], failed: dict[str, str],
-                finish: FinishSequence) -> list[RequestOutput]:
+                finish: FinishSequence, searches: Sequence[BeamSearch] = ()
+                ) -> list[RequestOutput]:
         """Take in the new tokens of each ``updated`` sequence (with their
         ``logprobs``, by sequence id), the sequences that ``ended`` without one,
         and the sequences whose step ``failed`` (id -> why); ``finish`` ends a
         sequence (a stop string, a failure). Returns an output for each DELTA
-        request with news and each finished request (which is then forgotten)."""
+        request with news, each finished request (which is then forgotten) and
+        each beam search of ``searches`` (those that ended)."""
+        outputs = [self._beam_output(beam) for search in searches
+                   if (beam := self._beams.pop(search.request_id, None)) is not None]
         touched: dict[str, _Group] = {}
         for seq in ended:
             entry = self._sample_of.get(seq.request_id)
@@ -269,7 +301,6 @@ class OutputProcessor:
                 if not s.request.is_finished:
                     finish(s.request, FinishReason.ERROR, None)
             touched[group.request_id] = group
-        outputs = []
         for group in touched.values():
             finished = all(s.request.is_finished for s in group.samples)
             if finished or (group.kind is OutputKind.DELTA and not group.ranked):
@@ -307,6 +338,24 @@ class OutputProcessor:
                  for rank, (tid, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
         entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._decode_one(lp.token_id))
         return entry
+
+    def _beam_output(self, beam: _BeamRequest) -> RequestOutput:
+        search, leader = beam.search, beam.leader
+        skip_special = leader.sampling_params.skip_special_tokens
+        completions = [CompletionOutput(
+            index=i, text="" if self.tokenizer is None else self.tokenizer.decode(
+                h.token_ids, skip_special),
+            token_ids=h.token_ids, cumulative_logprob=h.cumulative_logprob, logprobs=None,
+            finish_reason=h.finish_reason, score=h.score)
+            for i, h in enumerate(search.results())]
+        metrics = RequestMetrics(
+            arrival_time=leader.arrival_time, first_scheduled_time=leader.first_scheduled_time,
+            finished_time=max((b.finished_time for b in search.live if b.finished_time),
+                              default=None),
+            num_preemptions=search.num_preemptions, num_cached_tokens=leader.num_cached_tokens,
+            history=[(t, event, detail, 0) for event, t, detail in leader.history])
+        return RequestOutput(beam.request_id, beam.prompt, beam.prompt_token_ids, completions,
+                             True, metrics, search.error)
 
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], False)

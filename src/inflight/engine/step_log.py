@@ -208,6 +208,11 @@ class StepLog:
             for seq, (reason, _, _, generated) in zip(stats.finished_ids, stats.finished):
                 if seq in in_batch:
                     self._finish(seq, reason, generated, now, step)
+            for seq in stats.ended_beam_ids:  # their search goes on, or ends by its id
+                live = self._live.pop(seq, None)
+                if live is not None:
+                    self._release(live)
+                    self._event(live, now, step, seq, "beam ended", "")
             self._steps.append({
                 "step": step, "time": now, "seconds": stats.seconds, "cells": cells,
                 "waiting": stats.num_waiting, "running": stats.num_running,
@@ -233,6 +238,11 @@ class StepLog:
     def _finish(self, seq: str, reason: str, generated: int, now: float, step: int) -> None:
         live = self._live.pop(seq, None)
         if live is None:
+            history = self._histories.get(seq)
+            if history is not None:  # a beam search, which ends by its request id
+                history.output_tokens += generated
+                history.finish_reasons.append(reason)
+                history.state = "finished"
             return
         self._release(live)
         self._event(live, now, step, seq, "finished", f"{reason}, {generated} tokens")

@@ -24,6 +24,7 @@ from ray.serve import context as serve_context
 from ray.serve._private.utils import generate_request_id
 from ray.serve.handle import DeploymentHandle
 
+from inflight.core.beam_search import BeamSearchParams
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.async_engine import EngineDeadError
 from inflight.engine.client import EngineLoad, ModelInfo, StepLogSource, TokenizerOps
@@ -68,7 +69,7 @@ class RayEngineClient(TokenizerOps):
                             if reports else 0.0),
             num_cached_blocks=sum(len(r.get("block_keys", ())) for r in reports))
 
-    async def generate(self, prompt: Any, params: SamplingParams, *, request_id: str | None = None,
+    async def generate(self, prompt: Any, params: SamplingParams | BeamSearchParams, *, request_id: str | None = None,
                        stream: bool = True, **scheduling: Any) -> AsyncIterator[RequestOutput]:
         if request_id is None:
             raise ValueError("a deployment needs a request_id per request")

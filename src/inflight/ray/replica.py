@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inflight.config import EngineConfig
+from inflight.core.beam_search import BeamSearchParams
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.async_engine import AsyncEngine
 from inflight.engine.client import ModelInfo
@@ -68,7 +69,7 @@ class EngineReplica:
     def describe(self, **_: Any) -> ReplicaDescription:
         return ReplicaDescription(self.engine.model_info, self.engine.tokenizer, self.block_size)
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, stream: bool,
+    async def generate(self, prompt: Any, params: SamplingParams | BeamSearchParams, request_id: str, stream: bool,
                        scheduling: dict[str, Any], **_: Any) -> AsyncIterator[list[RequestOutput]]:
         outputs = self.engine.generate(prompt, params, request_id=request_id, stream=stream,
                                        **scheduling)

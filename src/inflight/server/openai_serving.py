@@ -11,6 +11,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from inflight.core.beam_search import BeamSearchParams
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.client import EngineClient
 from inflight.engine.output import CompletionOutput, Logprob, RequestOutput
@@ -123,6 +124,32 @@ class _Choice:
         return delta
 
 
+def beam_search_params(req: p.CompletionRequest, max_tokens: int) -> BeamSearchParams:
+    """A completion's beam search: width ``beam_width`` (else ``n``), of which
+    the best ``n`` are returned. Options that beam search would ignore are
+    refused rather than dropped."""
+    if req.stream:
+        raise InvalidRequest("beam search cannot be streamed", "stream")
+    width = req.n if req.beam_width is None else req.beam_width
+    if req.n > width:
+        raise InvalidRequest(f"n ({req.n}) must be <= beam_width ({width})", "n")
+    for name in ("best_of", "logprobs", "stop", "seed", "top_p", "top_k", "min_p",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                 "stop_token_ids"):
+        if getattr(req, name):
+            raise InvalidRequest(f"{name} is not supported with beam search", name)
+    if req.min_tokens:
+        raise InvalidRequest("min_tokens is not supported with beam search", "min_tokens")
+    if req.temperature:
+        raise InvalidRequest("beam search is greedy: temperature must be 0 or omitted",
+                             "temperature")
+    try:
+        return BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+                                ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from e
+
+
 def scheduling(req: p.CompletionRequest | p.ChatCompletionRequest,
                background: bool = False) -> dict[str, Any]:
     """The request's scheduling options; ``user`` is the tenant; ``background``
@@ -214,7 +241,8 @@ class OpenAIServing:
         return self.engine.model_info.max_model_len
 
     # -------------------------------------------------------- completions
-    def completion_inputs(self, req: p.CompletionRequest) -> tuple[list[Any], SamplingParams]:
+    def completion_inputs(self, req: p.CompletionRequest
+                          ) -> tuple[list[Any], SamplingParams | BeamSearchParams]:
         """Engine prompts (tokenized here, so that the context check sees their
         length) and sampling parameters; runs off the event loop."""
         if req.suffix:
@@ -246,6 +274,10 @@ class OpenAIServing:
             check_context(len(prompts[-1]["prompt_token_ids"]), req.max_tokens,
                           self.max_model_len, "max_tokens")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        if req.use_beam_search:
+            return prompts, beam_search_params(req, max_tokens)
+        if req.beam_width is not None:
+            raise InvalidRequest("beam_width needs use_beam_search", "beam_width")
         return prompts, sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                                         best_of=req.best_of)
 
@@ -260,7 +292,7 @@ class OpenAIServing:
         outputs = [finals[i] for i in range(len(prompts))]
         choices = []
         for i, out in enumerate(outputs):
-            for c in out.outputs:
+            for c in out.outputs[:req.n]:  # (a beam search has beam_width)
                 text = self._echo(out) + c.text if req.echo else c.text
                 choices.append(p.CompletionChoice(
                     index=i * req.n + c.index, text=text, finish_reason=c.finish_reason,

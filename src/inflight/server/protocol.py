@@ -2,7 +2,8 @@
 
 Requests accept OpenAI's fields plus documented extensions (``priority``,
 ``deadline_ms``, ``expected_output_tokens``, ``cache_salt``, ``ignore_eos``,
-``min_tokens``, ``top_k``, ``min_p``, ``repetition_penalty``, ``speculative``);
+``min_tokens``, ``top_k``, ``min_p``, ``repetition_penalty``, ``speculative``, and
+``use_beam_search`` with ``beam_width`` and ``length_penalty`` on completions);
 unknown fields are refused, as OpenAI does, rather than silently ignored.
 """
 
@@ -66,6 +67,11 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
     suffix: StrictStr | None = None
+    # Beam search (vLLM's extension): width ``beam_width``, else ``n``; the
+    # best ``n`` hypotheses are returned.
+    use_beam_search: StrictBool = False
+    beam_width: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+    length_penalty: Number = 1.0
 
 
 class TextContentPart(_Strict):

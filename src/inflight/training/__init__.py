@@ -1,0 +1,1 @@
+"""Training-side helpers (torch only): sequence packing (``training.pack``)."""
