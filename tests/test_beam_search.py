@@ -247,3 +247,27 @@ def test_search_step_follows_transformers_rules():
     narrow.start(first)
     narrow.report(first, [(0, -0.1), (3, -0.5)])
     assert narrow.advance().done and narrow.results()[0].token_ids == [0]
+
+
+def test_the_step_log_frees_the_slots_of_ended_beams(tiny_model):
+    """The dashboard's step log sees beams come and go: a dropped beam's slot
+    is freed at once, and the search ends as its request."""
+    from inflight.engine.step_log import HELD, StepLog
+
+    llm = LLM(str(tiny_model("llama-gqa")), dtype="float64", kv_cache_memory="16MiB")
+    engine, log = llm.engine, StepLog()
+    prepared = engine.prepare_request({"prompt_token_ids": list(range(1, 20))},
+                                      BeamSearchParams(beam_width=4, max_tokens=12,
+                                                       ignore_eos=True), request_id="b")
+    engine.submit(prepared)
+    log.submitted("b", [s.request_id for s in prepared.sequences], 19, 0.0)
+    ended = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        log.stepped(engine.last_step)
+        ended += len(engine.last_step.ended_beam_ids)
+        cells = log.steps_since(log.next_step - 1, 1)[0]["cells"]
+        assert not [c for c in cells if c[2] == HELD]
+        assert all(slot < 4 for slot, *_ in cells)  # freed slots taken again, none leaked
+    assert ended >= 4  # the last beams, and those dropped on the way
+    assert log.history("b")["state"] == "finished"

@@ -486,6 +486,8 @@ def test_beam_search(server, client, model, default_llm):
                                        BeamSearchParams(beam_width=4, max_tokens=6))[0]
     assert [c.text for c in out.choices] == [s.text for s in expected.sequences[:2]]
     assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == sum(len(s.tokens) - len(ids)
+                                              for s in expected.sequences[:2])
     width_n = client.completions.create(model=model, prompt=prompt, max_tokens=6, n=4,
                                         extra_body={"use_beam_search": True})
     assert [c.text for c in width_n.choices] == [s.text for s in expected.sequences]

@@ -299,7 +299,9 @@ class OpenAIServing:
                     logprobs=_completion_logprobs(c.token_ids, c.logprobs or [], 0, req.logprobs)
                     if req.logprobs is not None else None))
         return p.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                    usage=_usage(outputs), inflight=_history(outputs))
+                                    usage=_usage(outputs, sum(len(c.token_ids) for o in outputs
+                                                              for c in o.outputs[:req.n])),
+                                    inflight=_history(outputs))
 
     async def completion_stream(self, req: p.CompletionRequest, request_id: str
                                 ) -> AsyncIterator[str]:
