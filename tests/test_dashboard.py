@@ -113,7 +113,7 @@ def stats_of(**fields) -> SimpleNamespace:
                 finished=[], inter_token_latencies=[], seconds=0.01, num_waiting=0,
                 num_running=0, kv_cache_usage=0.0, num_tokens=0, num_prompt_tokens=0,
                 generation_tokens=0, num_preempted=0, prefix_cache_queries=0,
-                prefix_cache_hits=0)
+                prefix_cache_hits=0, ended_beam_ids=[])
     return SimpleNamespace(**{**base, **fields})
 
 

@@ -99,7 +99,7 @@ class LLM:
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        outputs = self.generate(prompts, [params] * len(prompts), use_tqdm)  # type: ignore[list-item]
+        outputs = self.generate(prompts, [params] * len(prompts), use_tqdm)
         return [BeamSearchOutput([
             BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.text, c.cumulative_logprob,
                                c.score, c.finish_reason) for c in o.outputs]) for o in outputs]
