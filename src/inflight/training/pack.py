@@ -30,20 +30,24 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # the label cross-entropy skips (PyTorch's and Hugging Face's)
 
 
-def _check_lengths(lengths: Sequence[int], budget: int) -> None:
+def _check_budget(budget: int) -> None:
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
-    for i, n in enumerate(lengths):
-        if not 1 <= n <= budget:
-            raise ValueError(f"sequence {i} has {n} tokens; each must have 1 to budget="
-                             f"{budget} tokens")
+
+
+def _check_length(index: int, length: int, budget: int) -> None:
+    if not 1 <= length <= budget:
+        raise ValueError(f"sequence {index} has {length} tokens; each must have 1 to budget="
+                         f"{budget} tokens")
 
 
 def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """Group sequence indices into rows of at most ``budget`` tokens: longest
     first, each into the first row with room (at most 11/9 of the optimal
     number of rows, plus one)."""
-    _check_lengths(lengths, budget)
+    _check_budget(budget)
+    for i, n in enumerate(lengths):
+        _check_length(i, n, budget)
     rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -63,16 +67,14 @@ def streaming_first_fit(sequences: Iterable[Sequence[int]], budget: int,
     open rows with room; when none has room, the fullest row is emitted to make
     way. Yields rows (lists of sequences) of at most ``budget`` tokens; memory
     stays bounded by the open rows."""
-    _check_lengths([], budget)
+    _check_budget(budget)
     if not isinstance(open_rows, int) or open_rows < 1:
         raise ValueError(f"open_rows must be an integer >= 1, got {open_rows!r}")
     rows: list[list[Sequence[int]]] = []
     room: list[int] = []
     for i, seq in enumerate(sequences):
         n = len(seq)
-        if not 1 <= n <= budget:
-            raise ValueError(f"sequence {i} has {n} tokens; each must have 1 to budget="
-                             f"{budget} tokens")
+        _check_length(i, n, budget)
         row = next((r for r, free in enumerate(room) if free >= n), None)
         if row is None:
             if len(rows) == open_rows:
@@ -184,7 +186,7 @@ class PackingCollator:
     dicts with ``input_ids``) packed into ``budget``-token rows."""
 
     def __init__(self, budget: int, pad_token_id: int = 0) -> None:
-        _check_lengths([], budget)
+        _check_budget(budget)
         self.budget = budget
         self.pad_token_id = pad_token_id
 
