@@ -275,3 +275,26 @@ def test_scheduler_invariants_under_random_load(num_blocks, block_size, max_num_
     # FCFS among equals: requests were first admitted in arrival order
     order = [r.request_id for r in accepted]
     assert first_admitted == [rid for rid in order if rid in first_admitted]
+
+
+
+def test_a_request_that_preempts_itself_leaves_the_rest_of_the_batch_running():
+    """Under fair share the victim need not be the last running request. When a
+    request runs out of blocks and the victim is itself, the running requests
+    after it that need no new block still decode this step (a whole step was
+    lost before)."""
+    from inflight.core.policy import FairSharePolicy
+
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    sched = Scheduler(kv, FairSharePolicy(), clock=lambda: 0.0, max_num_seqs=4,
+                      max_num_batched_tokens=32, max_model_len=8)
+    sched.add_request(Request("heavy", [TOKEN] * 4, SamplingParams(), 4, frozenset(),
+                              tenant="a"))
+    sched.add_request(Request("light", [TOKEN] * 2, SamplingParams(), 4, frozenset(),
+                              tenant="b"))
+    fake_step(sched)  # both prompts; heavy's block is full, light's has room
+    assert kv.num_free_blocks == 0
+    out = fake_step(sched)
+    # heavy needs a block; its tenant has been served more: it is its own victim
+    assert out.preempted_request_ids == ["heavy"]
+    assert [r.request_id for r in out.requests] == ["light"]

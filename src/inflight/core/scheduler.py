@@ -280,7 +280,8 @@ class Scheduler:
                     preempted_self = True
                     break
             if preempted_self:
-                break  # nothing else can fit this step
+                continue  # the next request, now at i, may still fit: a decode in
+                # its last block needs no new one
             chunked |= num_new < pending
             request.draft_token_ids = drafts
             self._add_to_output(out, request, num_new)
