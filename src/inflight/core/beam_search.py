@@ -112,8 +112,7 @@ class BeamSearch:
         self.finished: list[BeamHypothesis] = []  # best first, at most ``width``
         self.done = False                         # the search ran to its end
         self.end_reason: FinishReason | None = None  # cut short: abort, deadline, error
-        self.error: str | None = None
-        self.num_steps = 0
+        self.error: str | None = None              # why, when it ended with an error
         self.num_preemptions = 0
         self.arrival_time: float | None = None
         self.num_prompt_tokens = 0
@@ -162,7 +161,6 @@ class BeamSearch:
                 kept.append((beam, token, score))
         self.finished = sorted(self.finished + new_finished, key=lambda h: -h.score)[:self.width]
         self.reports = {}
-        self.num_steps += 1
         self.done = not kept or self._cannot_improve(kept[0][2], length)
         if self.done:
             return BeamStep(done=True)
@@ -183,11 +181,10 @@ class BeamSearch:
         self.live = [b for b, _ in beams]
         self.scores = {b.request_id: score for b, score in beams}
 
-    def end(self, reason: FinishReason, error: str | None = None) -> None:
+    def end(self, reason: FinishReason) -> None:
         """The search is cut short (abort, deadline, error)."""
         if not self.is_finished:
             self.end_reason = reason
-            self.error = error
 
     def results(self) -> list[BeamHypothesis]:
         """The hypotheses to return, best first: the finished ones, and when the
