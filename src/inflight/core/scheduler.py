@@ -529,10 +529,17 @@ class Scheduler:
         if request.beam is not None:
             self._preempt_search(out, request.beam, reason, now)
             return
+        self._take_out(out, request, reason, now, swap=self.preemption_mode == "swap")
+        self.policy.requeue(request)
+
+    def _take_out(self, out: SchedulerOutput, request: Request, reason: str, now: float,
+                  swap: bool) -> None:
+        """Take a running request out of the batch, its KV swapped to host memory
+        (``swap``, if the host pool has room) or dropped, to be recomputed."""
         self.running.remove(request)
         request.draft_token_ids = []
         pairs = None
-        if self.preemption_mode == "swap" and request.num_computed_tokens:
+        if swap and request.num_computed_tokens:
             # Only computed KV is worth keeping: blocks claimed for this step's
             # tokens (or drafts) go back, so that swapping in needs no more
             # blocks than the computed tokens fill.
@@ -551,7 +558,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         out.preempted_request_ids.append(request.request_id)
-        self.policy.requeue(request)
 
     def _preempt_search(self, out: SchedulerOutput, search: BeamSearch, reason: str,
                         now: float) -> None:
@@ -561,15 +567,7 @@ class Scheduler:
         members = [r for r in self.running if r.beam is search]
         leader = next((r for r in members if r.pending_forks), members[0])
         for member in members:
-            self.running.remove(member)
-            member.draft_token_ids = []
-            self.kv_cache.free(member.request_id)
-            member.status = RequestStatus.PREEMPTED
-            member.num_computed_tokens = 0
-            member.num_preemptions += 1
-            member.record("preempted", now, f"{reason}; its beam search's KV to be recomputed")
-            out.preempted_request_ids.append(member.request_id)
-            self.stats.num_preemptions += 1
+            self._take_out(out, member, reason, now, swap=False)
             if member is not leader:
                 member.fork_parent = leader
                 leader.pending_forks.append(member)

@@ -135,11 +135,9 @@ def beam_search_params(req: p.CompletionRequest, max_tokens: int) -> BeamSearchP
         raise InvalidRequest(f"n ({req.n}) must be <= beam_width ({width})", "n")
     for name in ("best_of", "logprobs", "stop", "seed", "top_p", "top_k", "min_p",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                 "stop_token_ids"):
+                 "stop_token_ids", "min_tokens"):
         if getattr(req, name):
             raise InvalidRequest(f"{name} is not supported with beam search", name)
-    if req.min_tokens:
-        raise InvalidRequest("min_tokens is not supported with beam search", "min_tokens")
     if req.temperature:
         raise InvalidRequest("beam search is greedy: temperature must be 0 or omitted",
                              "temperature")

@@ -174,13 +174,6 @@ def pack(sequences: Sequence[Sequence[int]], budget: int, pad_token_id: int = 0)
     return pack_rows([[sequences[i] for i in row] for row in plan], budget, pad_token_id)
 
 
-def pad(sequences: Sequence[Sequence[int]], pad_token_id: int = 0) -> PackedBatch:
-    """The baseline: one row per sequence, padded to the longest (a segment per
-    sequence, so the same loss and the same attention as packing)."""
-    longest = max(len(s) for s in sequences)
-    return pack_rows([[s] for s in sequences], longest, pad_token_id)
-
-
 class PackingCollator:
     """A DataLoader ``collate_fn``: each batch's samples (token-id lists, or
     dicts with ``input_ids``) packed into ``budget``-token rows."""
