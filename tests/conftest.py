@@ -37,3 +37,19 @@ def default_llm():
     from inflight import LLM
 
     return LLM(kv_cache_memory="512MiB")
+
+
+@pytest.fixture
+def browser():
+    """Headless Chromium through Selenium (skips where Debian's chromium and
+    chromium-driver are not installed)."""
+    from browser_helpers import CHROMEDRIVER, CHROMIUM
+
+    from inflight.bench.dashboard_cost import chromium_driver
+
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("Chromium and chromedriver are not installed (`make test` installs Debian's "
+                    "chromium and chromium-driver with apt-get where it runs as root)")
+    driver = chromium_driver()
+    yield driver
+    driver.quit()

@@ -7,20 +7,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
+import subprocess
+import sys
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 from hypothesis import given, settings
+from browser_helpers import screenshot, wait_for
 from hypothesis import strategies as st
+from selenium.webdriver.support.ui import Select
 from server_helpers import start_server
 from test_sim import make_config, make_trace, options, request_spec, run_engine_loop
 
-from inflight.bench.dashboard_cost import chromium_driver
 from inflight.config import EngineConfig
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.step_log import StepLog
@@ -220,6 +221,61 @@ def test_coalescing_keeps_the_strongest_cell_and_sums_the_rest():
     assert coalesce([], 5) == []
 
 
+class TickingLog:
+    """A StepLogSource whose engine runs one step per read: each read of the
+    feed finds one new step record."""
+
+    def __init__(self) -> None:
+        self.next_step = 0
+        self.summaries = 0
+
+    async def info(self) -> dict[str, int]:
+        return {"capacity": 2, "next_step": self.next_step}
+
+    async def steps_since(self, cursor: int, limit: int) -> list[dict]:
+        self.next_step += 1
+        return [record(step, [[0, "a", "d", 1]]) for step in range(cursor, self.next_step)]
+
+    async def summary(self) -> dict:
+        self.summaries += 1
+        return {"n": self.summaries}
+
+    def load(self) -> SimpleNamespace:
+        return SimpleNamespace(num_waiting=0, num_running=1, kv_cache_usage=0.1)
+
+
+async def feed_writes(interval: float, ticks: int) -> list[str]:
+    """What ``_frames`` writes in ``ticks`` ticks after its hello, write by write."""
+    from inflight.server import dashboard
+
+    class Connected:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    frames = dashboard._frames(Connected(), TickingLog(), {}, interval, 10)
+    writes = [await anext(frames) for _ in range(ticks + 1)]
+    await frames.aclose()
+    return writes
+
+
+def test_a_tick_is_one_write_and_summaries_wait_for_the_longer_period(monkeypatch):
+    """A tick's steps and summary reach the page in one write (one paint
+    there), and a page that asks for frames less often than the summary period
+    gets a summary every frame, not more."""
+    from inflight.server import dashboard
+
+    monkeypatch.setattr(dashboard, "SUMMARY_EVERY_S", 0.05)
+    writes = asyncio.run(feed_writes(0.01, 12))
+    assert writes[0].startswith("event: hello")
+    ticks = writes[1:]
+    assert all(w.count("event: steps") == 1 for w in ticks)
+    with_summary = [i for i, w in enumerate(ticks) if "event: summary" in w]
+    assert with_summary[0] == 0 and 2 <= len(with_summary) <= 4, with_summary
+    assert all("event: summary" not in w for w in ticks[1:3])  # 0.05 s apart, not 0.01
+    writes = asyncio.run(feed_writes(0.1, 3))
+    assert all("event: steps" in w and "event: summary" in w for w in writes[1:])
+
+
 # ---------------------------------------------------------------- over HTTP
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model):
@@ -299,40 +355,6 @@ def test_the_feed_streams_steps_summaries_and_histories(tiny_server):
 
 
 # ---------------------------------------------------------------- in Chromium
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-
-
-@pytest.fixture
-def browser():
-    if CHROMIUM is None or CHROMEDRIVER is None:
-        pytest.skip("Chromium and chromedriver are not installed (`make test` installs Debian's "
-                    "chromium and chromium-driver with apt-get where it runs as root)")
-    driver = chromium_driver()
-    yield driver
-    driver.quit()
-
-
-def wait_for(driver, script: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = driver.execute_script(script)
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for: {script}")
-
-
-def screenshot(driver, tmp_path: Path, name: str) -> Path:
-    path = tmp_path / name
-    driver.save_screenshot(str(path))
-    assert path.stat().st_size > 10_000
-    keep = os.environ.get("INFLIGHT_SCREENSHOT_DIR")
-    if keep:
-        shutil.copy(path, Path(keep) / name)
-    return path
-
-
 def refill_gaps(columns: list[dict]) -> list[int]:
     """For each slot that passed from one sequence to another while requests
     waited: the steps between the old sequence's last column and the new one's first."""
@@ -353,8 +375,10 @@ def test_the_page_shows_slots_refilled_and_the_queue_rising_and_falling(browser,
     live = start_server(EngineConfig(model=str(tiny_model("llama-gqa")), kv_cache_memory="64MiB",
                                      max_num_seqs=4))
     try:
-        browser.get(f"{live.url}/dashboard")
+        # Four frames a second: the burst rises and drains within a few seconds.
+        browser.get(f"{live.url}/dashboard#refresh=0.25")
         wait_for(browser, "return window.inflightDashboard.hello !== null")
+        assert browser.execute_script("return window.inflightDashboard.hello.interval") == 0.25
         assert browser.find_element("id", "status").text == "live"
         sender = threading.Thread(target=burst, args=(live.url, 40, None, 60))
         sender.start()
@@ -413,6 +437,53 @@ def test_the_page_shows_slots_refilled_and_the_queue_rising_and_falling(browser,
         live.stop()
 
 
+def test_the_refresh_period_is_chosen_on_the_page_and_a_hidden_tab_paints_nothing(
+        browser, tiny_server):
+    url, key = tiny_server.url, {"Authorization": "Bearer sekret"}
+    browser.get(f"{url}/dashboard")
+    browser.execute_script("localStorage.clear(); localStorage.setItem('inflight-api-key', 'sekret')")
+    browser.refresh()
+    hello = "return window.inflightDashboard.hello && window.inflightDashboard.hello.interval"
+    assert wait_for(browser, hello) == 1  # the default: a frame a second
+    picker = Select(browser.find_element("id", "refresh"))
+    assert picker.first_selected_option.text == "1 s"
+    columns = "return window.inflightDashboard.columns.length"
+
+    # Paused: the feed is closed and the picture stays as it was.
+    picker.select_by_value("0")
+    wait_for(browser, "return document.getElementById('status').textContent === 'paused'")
+    before = browser.execute_script(columns)
+    burst(url, 6, key)
+    time.sleep(0.6)
+    assert browser.execute_script(columns) == before
+
+    # Another period: a new feed at that rate (its backlog holds the burst),
+    # remembered across a reload.
+    picker.select_by_value("0.5")
+    wait_for(browser, hello + " === 0.5")
+    wait_for(browser, columns + " > " + str(before))
+    browser.refresh()
+    assert wait_for(browser, hello) == 0.5
+    assert Select(browser.find_element("id", "refresh")).first_selected_option.text == "0.5 s"
+
+    # A hidden tab keeps reading the feed but paints nothing until it is shown.
+    browser.execute_script("""
+        Object.defineProperty(document, 'hidden', {configurable: true, get: () => true});
+        document.dispatchEvent(new Event('visibilitychange'));""")
+    wait_for(browser, "return painted.lastStep >= 0")
+    shown = browser.execute_script("return painted.lastStep")
+    last = "return window.inflightDashboard.columns.at(-1).steps[1]"
+    burst(url, 6, key)
+    wait_for(browser, last + " > " + str(shown))
+    time.sleep(0.6)
+    assert browser.execute_script("return painted.lastStep") == shown
+    browser.execute_script("""
+        Object.defineProperty(document, 'hidden', {configurable: true, get: () => false});
+        document.dispatchEvent(new Event('visibilitychange'));""")
+    wait_for(browser, "return painted.lastStep === window.inflightDashboard.columns.at(-1).steps[1]")
+    assert tiny_server.wait_idle()
+
+
 def test_with_an_api_key_the_page_asks_for_it_once(browser, tiny_server, tmp_path):
     browser.get(f"{tiny_server.url}/dashboard")
     browser.execute_script("localStorage.clear()")
@@ -447,3 +518,25 @@ def test_bench_dashboard_alternates_rounds_and_reads_the_feed(capsys):
     with pytest.raises(ValueError, match="--screenshot needs --viewer chromium"):
         dashboard_cost.run(config, requests=8, concurrency=4, rounds=1, viewer="sse",
                            max_tokens=None, screenshot="x.png")
+    with pytest.raises(ValueError, match="--refresh needs --viewer chromium"):
+        dashboard_cost.run(config, requests=8, concurrency=4, rounds=1, viewer="sse",
+                           max_tokens=None, screenshot=None, refresh=1.0)
+
+
+def test_the_browsers_cpu_is_read_over_its_whole_process_tree():
+    """What the bench counts as the browser's CPU: a process and its
+    descendants (a grandchild that spins for 0.3 s is counted)."""
+    from inflight.bench.dashboard_cost import cpu_spent, process_tree_cpu
+
+    spin = "import time; t = time.process_time(); exec('while time.process_time() - t < 0.3: pass')"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                               f"subprocess.run([sys.executable, '-c', {spin!r}])"])
+    deadline = time.monotonic() + 30
+    while len(before := process_tree_cpu(parent.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    during = process_tree_cpu(parent.pid)
+    assert len(during) == 2 and parent.pid in during  # the child and its child
+    parent.wait()
+    assert cpu_spent(before, during) > 0.02
+    assert process_tree_cpu(os.getpid())[os.getpid()] > 0

@@ -84,6 +84,15 @@ def scrape(url: str) -> str:
     return r.text
 
 
+def test_the_dashboard_feed_answers_before_any_request(deployment):
+    """The ingress learns the replicas when it starts (its first call to them
+    asks for their description), so the feed needs no request routed first."""
+    from test_dashboard import read_feed
+
+    hello = read_feed(f"{deployment}/dashboard/feed", 0.3, HEADERS)["hello"][0]
+    assert len(hello["replicas"]) == 2 and hello["next_step"] == 0
+
+
 def test_the_api_key_is_required(deployment):
     r = httpx.post(f"{deployment}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -192,6 +201,34 @@ def test_the_dashboard_follows_each_replica(deployment):
     assert served >= 10
     response = httpx.get(f"{deployment}/dashboard/feed?replica=nope", headers=HEADERS, timeout=30)
     assert response.status_code == 404
+
+
+def test_the_dashboard_page_follows_the_replica_picked(deployment, browser, tmp_path):
+    from browser_helpers import screenshot, wait_for
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(f"{deployment}/dashboard#refresh=0.5")
+    wait_for(browser, "return !document.getElementById('key-form').hidden")
+    browser.find_element("id", "key").send_keys(API_KEY)
+    browser.find_element("css selector", "#key-form button").click()
+    hello = wait_for(browser, "return window.inflightDashboard.hello")
+    assert len(hello["replicas"]) == 2
+    assert browser.find_element("id", "replica-pick").is_displayed()
+    other = next(rid for rid in hello["replicas"] if rid != hello["replica"])
+    Select(browser.find_element("id", "replica")).select_by_value(other)
+    # The page reloads on the chosen replica's feed and keeps the period.
+    wait_for(browser, "return window.inflightDashboard.hello && "
+                      f"window.inflightDashboard.hello.replica === '{other}'")
+    assert f"replica={other}" in browser.execute_script("return location.hash")
+    assert browser.execute_script("return window.inflightDashboard.hello.interval") == 0.5
+    # Both replicas served the tests before this one: its strip and requests show.
+    wait_for(browser, "return window.inflightDashboard.columns.length > 0")
+    wait_for(browser, "return document.querySelectorAll('#requests tbody tr').length > 0")
+    browser.find_element("css selector", "#requests tbody tr").click()
+    wait_for(browser, "return document.querySelectorAll('#history li b').length >= 3")
+    events = [e.text for e in browser.find_elements("css selector", "#history li b")]
+    assert events[0] == "queued" and "finished" in events, events
+    screenshot(browser, tmp_path, "dashboard-ray.png")
 
 
 def test_a_disconnect_aborts_the_request(deployment):

@@ -236,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--rounds", type=int, default=3, help="pairs of rounds (off/on, on/off, ...)")
     db.add_argument("--screenshot", default=None,
                     help="PNG of the page under load (with --viewer chromium)")
+    db.add_argument("--refresh", type=float, default=None,
+                    help="the page's refresh period in seconds (with --viewer chromium; "
+                         "default: the page's own, 1 s)")
     db.add_argument("--output-json", default=None)
     db.set_defaults(func=_bench_dashboard)
 

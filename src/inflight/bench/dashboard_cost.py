@@ -7,13 +7,16 @@ times, alternately with no viewer and with one (in the order off, on, on, off,
 ``/dashboard/feed`` that parses every frame as the page does (``sse``: what the
 server pays), or the page itself in headless Chromium (``chromium``: the
 server's cost plus the browser's, on the same cores here). It reports each
-round's output tokens per second and the ratio of the means, and can save a
-screenshot of the page under load.
+round's output tokens per second and the ratio of the means and, for the page,
+the CPU its browser used (all of Chromium's processes, from /proc: a figure far
+steadier than a throughput ratio on a busy machine); it can save a screenshot
+of the page under load.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import threading
@@ -63,18 +66,55 @@ def sse_viewer(url: str) -> Iterator[dict[str, int]]:
         thread.join(timeout=10)
 
 
+def process_tree_cpu(root: int) -> dict[int, float]:
+    """CPU seconds (user + system) so far of process ``root`` and of all its
+    descendants, by pid (Linux: /proc)."""
+    parent, cpu = {}, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        # After the command name: state, ppid, ..., utime and stime (fields 14 and 15).
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    tree, grew = {root}, True
+    while grew:
+        found = {pid for pid, ppid in parent.items() if ppid in tree} - tree
+        tree |= found
+        grew = bool(found)
+    return {pid: cpu[pid] for pid in tree if pid in cpu}
+
+
+def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds between two ``process_tree_cpu`` readings (a process that
+    ended in between loses its last part)."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+
+
 @contextmanager
-def page_viewer(driver: Any, url: str, screenshot: str | None, after: float
-                ) -> Iterator[dict[str, int]]:
-    """The dashboard open in ``driver``; a screenshot ``after`` seconds in."""
-    driver.get(f"{url}/dashboard")
+def page_viewer(driver: Any, url: str, refresh: float | None, screenshot: str | None,
+                after: float) -> Iterator[dict[str, Any]]:
+    """The dashboard open in ``driver`` (at its own refresh period unless
+    ``refresh``); a screenshot ``after`` seconds in. The dict it yields gets
+    ``browser_cpu``: the cores the browser used meanwhile (on average)."""
+    driver.get(f"{url}/dashboard" + (f"#refresh={refresh:g}" if refresh is not None else ""))
     time.sleep(1.0)
     timer = threading.Timer(after, driver.save_screenshot, (screenshot,)) if screenshot else None
     if timer is not None:
         timer.start()
+    browser = driver.service.process.pid
+    before, start = process_tree_cpu(browser), time.monotonic()
+    measured: dict[str, Any] = {}
     try:
-        yield {}
+        yield measured
     finally:
+        measured["browser_cpu"] = (cpu_spent(before, process_tree_cpu(browser))
+                                   / (time.monotonic() - start))
         if timer is not None:
             timer.join()
         driver.get("about:blank")
@@ -160,13 +200,16 @@ def feed_cost(sequences: int, steps_per_frame: int, frames: int = 480) -> float:
 
 
 def run(config: EngineConfig, *, requests: int, concurrency: int, rounds: int, viewer: str,
-        max_tokens: int | None, screenshot: str | None) -> dict[str, Any]:
+        max_tokens: int | None, screenshot: str | None, refresh: float | None = None
+        ) -> dict[str, Any]:
     if viewer not in VIEWERS:
         raise ValueError(f"--viewer must be one of {', '.join(VIEWERS)}")
     if rounds < 1 or requests < 1 or concurrency < 1:
         raise ValueError("--rounds, --num-requests and --concurrency must be >= 1")
     if screenshot is not None and viewer != "chromium":
         raise ValueError("--screenshot needs --viewer chromium")
+    if refresh is not None and (viewer != "chromium" or not 0.25 <= refresh <= 5):
+        raise ValueError("--refresh needs --viewer chromium and 0.25 <= seconds <= 5")
     # The chat scenario's shapes, from two tenants (so that the page has shares to show).
     chat = serving.SCENARIOS["chat"][0]
     # (Arrival times do not matter in a closed loop: a high rate over a short
@@ -191,18 +234,21 @@ def run(config: EngineConfig, *, requests: int, concurrency: int, rounds: int, v
                     viewing = sse_viewer(url)
                 else:  # the screenshot halfway through the last round with the page
                     shot = screenshot if i == last_on else None
-                    viewing = page_viewer(driver, url, shot, results[-1]["wall_seconds"] / 2)
-                with viewing as frames:
+                    viewing = page_viewer(driver, url, refresh, shot,
+                                          results[-1]["wall_seconds"] / 2)
+                with viewing as seen:
                     data = serving.run(url, model, specs, concurrency, None, None)
                 overall = data["overall"]
                 tokens = overall["output_tokens_per_second"]
+                browser_cpu = seen.pop("browser_cpu", None)
                 results.append({"viewer": on, "output_tokens_per_second": tokens,
-                                "wall_seconds": data["wall_seconds"], "frames": dict(frames),
-                                "failed": overall["failed"]})
+                                "wall_seconds": data["wall_seconds"], "frames": dict(seen),
+                                "browser_cpu": browser_cpu, "failed": overall["failed"]})
+                detail = (f", frames {seen}" if seen else "") + (
+                    f", browser {browser_cpu:.3f} of a core" if browser_cpu is not None else "")
                 print(f"  round {i + 1}/{len(order)}  {'with' if on else 'without'} "
                       f"{viewer:<8} {tokens:8.1f} output tok/s  "
-                      f"({data['wall_seconds']:.1f} s{', frames ' + str(frames) if frames else ''})",
-                      flush=True)
+                      f"({data['wall_seconds']:.1f} s{detail})", flush=True)
     finally:
         if driver is not None:
             driver.quit()
@@ -211,8 +257,13 @@ def run(config: EngineConfig, *, requests: int, concurrency: int, rounds: int, v
     ratio = statistics.fmean(on_) / statistics.fmean(off)
     print(f"\nwithout a viewer {statistics.fmean(off):.1f} tok/s, with {viewer} "
           f"{statistics.fmean(on_):.1f} tok/s: ratio {ratio:.3f}")
+    browser = [r["browser_cpu"] for r in results if r["browser_cpu"] is not None]
+    if browser:
+        print(f"the browser used {statistics.fmean(browser):.3f} of a core on average "
+              f"({os.cpu_count()} here)")
     return {"viewer": viewer, "rounds": results, "ratio": ratio, "requests": requests,
-            "concurrency": concurrency}
+            "concurrency": concurrency, "refresh": refresh,
+            "browser_cpu": statistics.fmean(browser) if browser else None}
 
 
 def component_costs() -> dict[str, dict[str, float]]:
@@ -232,7 +283,7 @@ def command(args: Any, config: EngineConfig) -> int:
     costs = component_costs()
     data = run(config, requests=args.num_requests, concurrency=args.concurrency,
                rounds=args.rounds, viewer=args.viewer, max_tokens=args.max_tokens,
-               screenshot=args.screenshot)
+               screenshot=args.screenshot, refresh=args.refresh)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({**costs, **data}, indent=2))
     return 0

@@ -6,8 +6,9 @@ from, ``GET /dashboard/feed``, a server-sent event stream:
 - ``steps`` at most every ``interval`` seconds: the engine steps recorded since
   the last frame (from the engine's ``StepLog``), merged into at most
   ``columns`` columns when they came faster than that, and the current load;
-- ``summary`` every two seconds: rates, latency percentiles over the last minute,
-  per-tenant tokens, the latest requests.
+- ``summary`` every two seconds (or every ``interval`` when that is longer):
+  rates, latency percentiles over the last minute, per-tenant tokens, the
+  latest requests.
 
 ``GET /dashboard/requests/{id}`` is one request's history. The feed reads
 what the engine loop already recorded and never waits on it, so an open page
@@ -151,6 +152,8 @@ async def _frames(request: Request, log: StepLogSource, hello: dict[str, Any],
     next_summary = next_ping = loop.time()
     last_load = None
     while not await request.is_disconnected():
+        # A tick's events go out in one write, so that a page draws them in one paint.
+        events = []
         records = await log.steps_since(cursor, BACKLOG_STEPS)
         load = _load(log)
         now = loop.time()
@@ -158,14 +161,16 @@ async def _frames(request: Request, log: StepLogSource, hello: dict[str, Any],
             cursor = records[-1]["step"] + 1
             # The backlog at connection fills the strip; then at most max_columns a frame.
             merged = coalesce(records, len(records) if first else max_columns)
-            yield event("steps", {"columns": merged, "load": load})
+            events.append(event("steps", {"columns": merged, "load": load}))
             next_ping = now + PING_EVERY_S
         elif load != last_load or now >= next_ping:
-            yield event("load", load)
+            events.append(event("load", load))
             next_ping = now + PING_EVERY_S
         last_load = load
         first = False
         if now >= next_summary:
-            yield event("summary", await log.summary())
-            next_summary = now + SUMMARY_EVERY_S
+            events.append(event("summary", await log.summary()))
+            next_summary = now + max(SUMMARY_EVERY_S, interval)
+        if events:
+            yield "".join(events)
         await asyncio.sleep(interval)

@@ -2,11 +2,17 @@
 // fetch so that it can send the API key) and draws the slot strip, the tiles,
 // the charts (uPlot), tenants and the latest requests. `window.inflightDashboard`
 // holds what is drawn (the browser test reads it).
+//
+// Every redraw costs the browser a paint and a composite, so the page asks the
+// feed for one frame per refresh period (1 s by default, chosen in the header),
+// changes only what changed, and draws nothing while its tab is hidden.
 "use strict";
 
 const MAX_COLUMNS = 600;        // columns the strip keeps (newest right)
 const COL_WIDTH = 3;            // pixels per column
 const KEY_STORE = "inflight-api-key";
+const REFRESH_STORE = "inflight-refresh";
+const REFRESH_DEFAULT = "1";     // seconds between frames; "0" is paused
 const COLOURS = { p: "#3b7ddd", d: "#2e9e5b", x: "#d9443a", h: "#b9bec6" };
 const IDLE = "#f1f2f4";
 const KIND_NAMES = { p: "prompt chunk", d: "decode", x: "preempted", h: "held, not computed" };
@@ -19,6 +25,15 @@ const $ = (id) => document.getElementById(id);
 function setText(id, text) {
   const el = $(id);
   if (el.textContent !== String(text)) el.textContent = text;
+}
+
+// Seconds between frames, one of the picker's: from the address (#refresh=2),
+// else as last chosen here, else 1.
+function refreshPeriod() {
+  const allowed = [...$("refresh").options].map((option) => option.value);
+  const chosen = [new URLSearchParams(location.hash.slice(1)).get("refresh"),
+                  localStorage.getItem(REFRESH_STORE)];
+  return chosen.find((value) => allowed.includes(value)) || REFRESH_DEFAULT;
 }
 
 function apiKey() { return localStorage.getItem(KEY_STORE) || ""; }
@@ -34,21 +49,28 @@ function setStatus(text, kind) {
 }
 
 // ------------------------------------------------------------------ feed
+let feed = null;  // the open feed's AbortController
+
 async function connect() {
-  const params = new URLSearchParams();
+  if (feed) feed.abort();
+  const period = refreshPeriod();
+  if (period === "0") { feed = null; setStatus("paused", ""); return; }
+  const params = new URLSearchParams({ interval: period });
   if (state.replica) params.set("replica", state.replica);
+  const controller = feed = new AbortController();
   let response;
   try {
-    response = await fetch("/dashboard/feed?" + params, { headers: headers(), cache: "no-store" });
+    response = await fetch("/dashboard/feed?" + params, { headers: headers(), cache: "no-store",
+                                                          signal: controller.signal });
   } catch (e) {
-    return retry("server unreachable");
+    return retry("server unreachable", controller);
   }
   if (response.status === 401) {
     setStatus("API key needed", "down");
     $("key-form").hidden = false;
     return;
   }
-  if (!response.ok) return retry("feed error " + response.status);
+  if (!response.ok) return retry("feed error " + response.status, controller);
   $("key-form").hidden = true;
   setStatus("live", "live");
   const reader = response.body.getReader();
@@ -65,13 +87,16 @@ async function connect() {
         buffer = buffer.slice(end + 2);
       }
     }
-  } catch (e) { /* the server went away: reconnect below */ }
-  retry("disconnected");
+  } catch (e) { /* the server went away, or the feed was closed here */ }
+  retry("disconnected", controller);
 }
 
-function retry(why) {
+// Connect again in a second, unless this feed was closed on purpose (paused,
+// or replaced by one at another refresh period).
+function retry(why, controller) {
+  if (controller.signal.aborted) return;
   setStatus(why + ", retrying", "down");
-  setTimeout(connect, 1000);
+  setTimeout(() => { if (feed === controller) connect(); }, 1000);
 }
 
 function handle(block) {
@@ -110,25 +135,48 @@ function onSteps(frame) {
   for (const column of frame.columns) state.columns.push(column);
   if (state.columns.length > MAX_COLUMNS) state.columns.splice(0, state.columns.length - MAX_COLUMNS);
   onLoad(frame.load);
-  requestDraw();
+  requestDraw("strip");
 }
 
 function onLoad(load) {
   state.load = load;
+  requestDraw("load");
+}
+
+function drawLoad(load) {
   setText("waiting", load.waiting);
   setText("running", load.running);
   setText("kv", (100 * load.kv_usage).toFixed(1) + " %");
 }
 
 // ----------------------------------------------------------------- strip
+// What changed since the last paint. One animation frame draws it all, so
+// that a feed frame's steps, load and summary cost the browser one paint; a
+// hidden tab draws nothing until it is shown.
+const dirty = { strip: false, load: false, summary: false };
 let drawPending = false;
-function requestDraw() {
-  if (!drawPending) { drawPending = true; requestAnimationFrame(drawStrip); }
+
+function requestDraw(what) {
+  if (what) dirty[what] = true;
+  if (!drawPending && !document.hidden) { drawPending = true; requestAnimationFrame(draw); }
 }
+
+function draw() {
+  drawPending = false;
+  if (document.hidden) return;  // what is dirty stays so until the tab is shown
+  if (dirty.load && state.load) drawLoad(state.load);
+  if (dirty.summary && state.summary) drawSummary(state.summary);
+  if (dirty.strip) drawStrip();
+  dirty.strip = dirty.load = dirty.summary = false;
+}
+
+// The strip's width in CSS pixels, kept by a ResizeObserver (reading
+// clientWidth in every frame would force a layout).
+let stripWidth = 0;
 
 function stripLayout() {
   const canvas = $("strip");
-  const width = canvas.clientWidth;
+  const width = stripWidth || canvas.clientWidth;
   const visible = state.columns.slice(-Math.max(1, Math.floor(width / COL_WIDTH)));
   let rows = 4;
   for (const column of visible) for (const cell of column.cells) rows = Math.max(rows, cell[0] + 1);
@@ -164,7 +212,6 @@ function paintColumn(g, L, column, x) {
 }
 
 function drawStrip() {
-  drawPending = false;
   const L = stripLayout();
   if (!L.visible.length) return;
   const ratio = window.devicePixelRatio || 1;
@@ -235,7 +282,10 @@ function setupStrip() {
     const hit = cellAt(event);
     if (hit && hit.cell) showHistory(requestOf(hit.cell[1]));
   });
-  window.addEventListener("resize", requestDraw);
+  new ResizeObserver((entries) => {
+    stripWidth = entries[entries.length - 1].contentRect.width;
+    requestDraw("strip");
+  }).observe(canvas);
 }
 
 // --------------------------------------------------------------- summary
@@ -280,6 +330,10 @@ const ms = (s) => (s == null ? "–" : s < 1 ? (s * 1000).toFixed(0) + " ms" : s
 
 function onSummary(summary) {
   state.summary = summary;
+  requestDraw("summary");
+}
+
+function drawSummary(summary) {
   setText("tps", summary.tokens_per_s.toFixed(0));
   setText("tps-detail", `${summary.generated_per_s.toFixed(0)} generated/s`);
   setText("hit", summary.prefix_hit_rate == null ? "–"
@@ -298,47 +352,60 @@ function onSummary(summary) {
   drawRequests(summary.recent);
 }
 
-function drawTenants(tokens) {
-  const box = $("tenants");
-  const entries = Object.entries(tokens).sort((a, b) => b[1] - a[1]);
-  const total = entries.reduce((sum, [, n]) => sum + n, 0);
-  box.innerHTML = "";
-  if (!total) { box.innerHTML = '<span class="hint">no tokens in the last minute</span>'; return; }
-  for (const [tenant, n] of entries) {
-    const share = n / total;
-    const row = document.createElement("div");
-    row.className = "bar";
-    row.innerHTML = `<span class="name"></span><span class="fill" style="width:${(share * 60).toFixed(1)}%"></span>` +
-      `<span>${(100 * share).toFixed(1)} % · ${n} tokens</span>`;
-    row.querySelector(".name").textContent = tenant || "(no tenant)";
-    box.appendChild(row);
-  }
+// `count` children of `box` made by `make` (added or removed at the end), so
+// that a redraw changes existing elements rather than building new ones.
+function rows(box, count, make) {
+  while (box.children.length > count) box.lastChild.remove();
+  while (box.children.length < count) box.appendChild(make());
+  return box.children;
 }
 
-let picked = null, shownRecent = "";
+function setProp(el, name, value) {
+  if (el[name] !== value) el[name] = value;
+}
+
+function drawTenants(tokens) {
+  const entries = Object.entries(tokens).sort((a, b) => b[1] - a[1]);
+  const total = entries.reduce((sum, [, n]) => sum + n, 0);
+  setProp($("tenants-none"), "hidden", total > 0);
+  const bars = rows($("tenants"), total ? entries.length : 0, () => {
+    const row = document.createElement("div");
+    row.className = "bar";
+    row.innerHTML = '<span class="name"></span><span class="fill"></span><span class="share"></span>';
+    return row;
+  });
+  entries.forEach(([tenant, n], i) => {
+    if (!total) return;
+    const share = n / total;
+    const [name, fill, text] = bars[i].children;
+    setProp(name, "textContent", tenant || "(no tenant)");
+    setProp(fill.style, "width", (share * 60).toFixed(1) + "%");
+    setProp(text, "textContent", `${(100 * share).toFixed(1)} % · ${n} tokens`);
+  });
+}
+
+let picked = null;
 function drawRequests(recent) {
-  const key = JSON.stringify(recent) + picked;
-  if (key === shownRecent) return;
-  shownRecent = key;
   const body = $("requests").querySelector("tbody");
-  body.innerHTML = "";
-  for (const r of recent) {
+  const shown = rows(body, recent.length, () => {
     const row = document.createElement("tr");
-    if (r.request_id === picked) row.className = "picked";
+    for (let i = 0; i < 6; i++) row.appendChild(document.createElement("td"));
+    row.addEventListener("click", () => showHistory(row.dataset.request));
+    return row;
+  });
+  recent.forEach((r, i) => {
+    const row = shown[i];
+    row.dataset.request = r.request_id;
+    setProp(row, "className", r.request_id === picked ? "picked" : "");
     const cells = [r.request_id, r.tenant || "", r.state, r.prompt_tokens, r.output_tokens, ms(r.ttft)];
-    for (const value of cells) {
-      const td = document.createElement("td");
-      td.textContent = value;
-      row.appendChild(td);
-    }
-    row.children[2].className = "state-" + r.state;
-    row.addEventListener("click", () => showHistory(r.request_id));
-    body.appendChild(row);
-  }
+    cells.forEach((value, j) => setProp(row.children[j], "textContent", String(value)));
+    setProp(row.children[2], "className", "state-" + r.state);
+  });
 }
 
 async function showHistory(requestId) {
   picked = requestId;
+  if (state.summary) drawRequests(state.summary.recent);
   $("history-id").textContent = requestId;
   const list = $("history");
   const params = new URLSearchParams();
@@ -363,6 +430,25 @@ async function showHistory(requestId) {
   }
 }
 
+function setupRefresh() {
+  const pick = $("refresh");
+  pick.value = refreshPeriod();
+  pick.addEventListener("change", () => {
+    localStorage.setItem(REFRESH_STORE, pick.value);
+    const hash = new URLSearchParams(location.hash.slice(1));
+    if (hash.has("refresh")) {  // the choice made here wins over the address's
+      hash.delete("refresh");
+      history.replaceState(null, "", "#" + hash);
+    }
+    connect();
+  });
+  // A hidden tab keeps reading the feed but draws nothing; shown again, it
+  // draws what came meanwhile.
+  document.addEventListener("visibilitychange", () => {
+    if (!document.hidden) requestDraw();
+  });
+}
+
 // ------------------------------------------------------------------ start
 $("key-form").addEventListener("submit", (event) => {
   event.preventDefault();
@@ -372,11 +458,14 @@ $("key-form").addEventListener("submit", (event) => {
 });
 $("replica").addEventListener("change", (event) => {
   // A fresh page follows the chosen replica (the hash keeps the choice).
-  location.hash = "replica=" + encodeURIComponent(event.target.value);
+  const hash = new URLSearchParams(location.hash.slice(1));
+  hash.set("replica", event.target.value);
+  location.hash = hash.toString();
   location.reload();
 });
 const fromHash = new URLSearchParams(location.hash.slice(1)).get("replica");
 if (fromHash) state.replica = fromHash;
 setupStrip();
 setupCharts();
+setupRefresh();
 connect();
