@@ -215,6 +215,69 @@ def test_coalesce_batches_outputs_and_flushes_the_last():
     assert asyncio.run(collect([0, 0.01, 0.01], 0)) == [[0], [1], [2]]
 
 
+def test_coalesce_is_cancelled_even_as_an_output_arrives():
+    """A reader cancelled while it waits out the interval with a batch in hand,
+    in the loop turns around a new output's arrival, is cancelled (Python
+    3.11's asyncio.wait_for could return the output and drop the cancellation:
+    the stream, and its request, went on with no one reading)."""
+    async def cancelled_after(spins: int) -> bool:
+        feed: asyncio.Queue[Out] = asyncio.Queue()
+
+        async def source():
+            while True:
+                yield await feed.get()
+
+        stream = coalesce(source(), 10.0)
+        feed.put_nowait(Out(0))
+        assert [o.n for o in await stream.__anext__()] == [0]  # the first at once
+        reader = asyncio.create_task(stream.__anext__())
+        feed.put_nowait(Out(1))  # held: the next list is due in 10 s
+        for _ in range(5):
+            await asyncio.sleep(0)
+        feed.put_nowait(Out(2))
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        reader.cancel()
+        try:
+            await reader
+        except asyncio.CancelledError:
+            return True
+        finally:
+            await stream.aclose()
+        return False
+
+    assert [asyncio.run(cancelled_after(spins)) for spins in range(8)] == [True] * 8
+
+
+def test_within_times_out_cancels_and_is_cancelled():
+    from inflight.ray.timeouts import within
+
+    async def main() -> None:
+        slow = asyncio.ensure_future(asyncio.sleep(10))
+        with pytest.raises(asyncio.TimeoutError):
+            await within(slow, 0.01)
+        await asyncio.sleep(0)
+        assert slow.cancelled()
+        assert await within(asyncio.sleep(0, result=7), 1) == 7
+        # Cancelled in the turns around its result's arrival: a waiter not yet
+        # done when cancelled ends cancelled (asyncio.wait_for fails this on 3.11).
+        for spins in range(5):
+            queue: asyncio.Queue[int] = asyncio.Queue()
+            waiter = asyncio.create_task(within(queue.get(), 10))
+            await asyncio.sleep(0)
+            queue.put_nowait(1)
+            for _ in range(spins):
+                await asyncio.sleep(0)
+            if waiter.done():
+                assert waiter.result() == 1
+                continue
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+
+    asyncio.run(main())
+
+
 def test_coalesce_closes_its_source_and_passes_errors_on():
     closed = []
 

@@ -32,6 +32,7 @@ from inflight.engine.output import RequestOutput
 from inflight.ray.replica import ReplicaDescription
 from inflight.ray.router import PIN, InflightRequestRouter
 from inflight.ray.routing import ROUTERS
+from inflight.ray.timeouts import within
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class RayEngineClient(TokenizerOps):
         with _own_internal_request_id():
             response = getattr(self.handle, method).remote(**kwargs, **{PIN: rid})
         try:
-            return await asyncio.wait_for(response, PINNED_CALL_TIMEOUT_S)
+            return await within(response, PINNED_CALL_TIMEOUT_S)
         except BaseException:
             response.cancel()
             raise

@@ -32,6 +32,7 @@ from inflight.model.tokenizer import Tokenizer
 from inflight.ray.autoscaling import KV_USAGE, WAITING
 from inflight.ray.metrics import Family, snapshot
 from inflight.ray.routing import short_key
+from inflight.ray.timeouts import within
 from inflight.server.metrics import EngineMetrics
 
 @dataclass
@@ -141,8 +142,7 @@ async def coalesce(source: AsyncIterator[RequestOutput], interval: float
                 if batch and (wait <= 0 or batch[-1].finished):
                     break
                 try:
-                    item = (await asyncio.wait_for(queue.get(), wait) if batch
-                            else await queue.get())
+                    item = await within(queue.get(), wait) if batch else await queue.get()
                 except asyncio.TimeoutError:
                     break
                 if isinstance(item, BaseException):
