@@ -8,12 +8,14 @@ in test_scheduler_properties.py.)"""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
 from inflight import LLM, SamplingParams
 from inflight.config import EngineConfig
 from inflight.engine.async_engine import AsyncEngine
+from inflight.server.metrics import EngineMetrics
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +73,16 @@ def test_backpressure_and_queue_timeout_leave_background_requests_alone(default_
         batch = [asyncio.create_task(collect(p, 64, background=True)) for p in PROMPTS]
         await asyncio.sleep(0.5)  # four of them wait, far longer than max_queue_wait
         assert engine.load().num_background_waiting >= 2
+        # /metrics and the dashboard tell them apart from interactive requests.
+        metrics = EngineMetrics("m")
+        metrics.watch(engine.load)
+        waiting = re.search(r'^inflight:num_requests_waiting_background\{[^}]*\} (\S+)$',
+                            (await metrics.exposition()).decode(), re.M)
+        assert waiting is not None and float(waiting.group(1)) >= 2
+        recent = engine.step_log.summary()["recent"]
+        assert len(recent) == len(PROMPTS) and all(r["background"] for r in recent)
+        assert "background (batch job)" in engine.step_log.history(
+            recent[0]["request_id"])["events"][0]["detail"]
         interactive = await collect("Hello", 16)  # more than one waiting: no QueueFullError
         return await asyncio.gather(*batch), interactive
 
@@ -80,3 +92,4 @@ def test_backpressure_and_queue_timeout_leave_background_requests_alone(default_
         engine.shutdown()
     assert all(len(tokens) == 64 for tokens in results)  # none timed out in the queue
     assert len(interactive) == 16
+    assert not engine.step_log.summary()["recent"][0]["background"]  # the interactive one

@@ -311,7 +311,7 @@ class AsyncEngine(TokenizerOps):
         first = prepared.sequences[0]
         self.step_log.submitted(prepared.request_id, [s.request_id for s in prepared.sequences],
                                 len(prepared.prompt_token_ids), first.arrival_time, first.tenant,
-                                first.priority)
+                                first.priority, first.background)
 
     def _abort(self, request_id: str) -> None:
         sequences = self.core.output_processor.sequence_ids(request_id)

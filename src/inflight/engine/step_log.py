@@ -64,6 +64,7 @@ class _History:
     prompt_tokens: int
     sequences: list[str]
     arrival: float
+    background: bool = False  # a batch job's request
     state: str = "queued"   # queued, running, finished, aborted
     output_tokens: int = 0
     ttft: float | None = None
@@ -75,6 +76,7 @@ class _History:
         return {"request_id": self.request_id, "tenant": self.tenant,
                 "priority": self.priority, "prompt_tokens": self.prompt_tokens,
                 "sequences": list(self.sequences), "arrival": self.arrival,
+                "background": self.background,
                 "state": self.state, "output_tokens": self.output_tokens, "ttft": self.ttft,
                 "finish_reasons": list(self.finish_reasons),
                 "events": [{"time": t, "step": s, "sequence": q, "event": e, "detail": d}
@@ -83,7 +85,7 @@ class _History:
     def brief(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "tenant": self.tenant, "state": self.state,
                 "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                "ttft": self.ttft, "arrival": self.arrival}
+                "ttft": self.ttft, "arrival": self.arrival, "background": self.background}
 
 
 @dataclass
@@ -132,16 +134,18 @@ class StepLog:
 
     # ------------------------------------------------------ loop thread
     def submitted(self, request_id: str, sequence_ids: list[str], prompt_tokens: int,
-                  arrival: float, tenant: str | None = None, priority: int = 0) -> None:
+                  arrival: float, tenant: str | None = None, priority: int = 0,
+                  background: bool = False) -> None:
         with self._lock:
             for seq in sequence_ids:
                 self._live[seq] = _Live(request_id, tenant)
             history = _History(request_id, tenant, priority, prompt_tokens, list(sequence_ids),
-                               arrival)
+                               arrival, background)
             history.events.append((arrival, None, "", "queued",
                                    f"{prompt_tokens} prompt tokens"
                                    + (f", {len(sequence_ids)} sequences"
-                                      if len(sequence_ids) > 1 else "")))
+                                      if len(sequence_ids) > 1 else "")
+                                   + (", background (batch job)" if background else "")))
             self._histories[request_id] = history
             self._histories.move_to_end(request_id)
             while len(self._histories) > self._max_requests:

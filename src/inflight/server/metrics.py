@@ -43,6 +43,9 @@ class EngineMetrics:
 
         self.num_running = gauge("inflight:num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("inflight:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_background_waiting = gauge(
+            "inflight:num_requests_waiting_background",
+            "Of the waiting requests, those of batch jobs (background priority).")
         self.kv_usage = gauge("inflight:kv_cache_usage_perc",
                               "Fraction of KV cache blocks in use (1 = full).")
         self.preemptions = counter("inflight:num_preemptions", "Preemptions since start.")
@@ -89,6 +92,7 @@ class EngineMetrics:
         """Read the gauges from ``load()`` at every scrape."""
         self.num_running.set_function(lambda: load().num_running)
         self.num_waiting.set_function(lambda: load().num_waiting)
+        self.num_background_waiting.set_function(lambda: load().num_background_waiting)
         self.kv_usage.set_function(lambda: load().kv_cache_usage)
 
     def on_step(self, stats: StepStats) -> None:

@@ -396,8 +396,11 @@ function drawRequests(recent) {
   recent.forEach((r, i) => {
     const row = shown[i];
     row.dataset.request = r.request_id;
-    setProp(row, "className", r.request_id === picked ? "picked" : "");
-    const cells = [r.request_id, r.tenant || "", r.state, r.prompt_tokens, r.output_tokens, ms(r.ttft)];
+    setProp(row, "className", [r.request_id === picked && "picked", r.background && "background"]
+      .filter(Boolean).join(" "));
+    setProp(row, "title", r.background ? "a batch job's request (background priority)" : "");
+    const cells = [r.request_id, (r.tenant || "") + (r.background ? " · batch" : ""), r.state,
+                   r.prompt_tokens, r.output_tokens, ms(r.ttft)];
     cells.forEach((value, j) => setProp(row.children[j], "textContent", String(value)));
     setProp(row.children[2], "className", "state-" + r.state);
   });
