@@ -208,6 +208,29 @@ def test_perplexity_of_every_format_on_the_default_model(default_llm, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_gguf_blocks_are_cached_beside_the_converted_model(tmp_path):
+    """The second read of a GGUF file's weights comes from the cache, the same
+    bits; the float32 model in that directory still loads (the cache is not one
+    of its weight files)."""
+    from inflight.model.loader import gguf_file, resolve_model_dir
+    from inflight.model.quantize import BLOCKS_FILE, read_gguf_weights
+
+    source, model_dir = resolve_model_dir(None), tmp_path / "converted"
+    model_dir.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).symlink_to(source / name)
+    floats, blocks = read_gguf_weights(gguf_file(None), model_dir)
+    assert (model_dir / BLOCKS_FILE).exists() and len(blocks) >= 100
+    cached_floats, cached_blocks = read_gguf_weights(gguf_file(None), model_dir)
+    assert ({name: fmt for name, (fmt, _) in blocks.items()}
+            == {name: fmt for name, (fmt, _) in cached_blocks.items()})
+    assert all(np.array_equal(data, cached_blocks[name][1]) for name, (_, data) in blocks.items())
+    assert floats.keys() == cached_floats.keys()
+    assert all(torch.equal(tensor, cached_floats[name]) for name, tensor in floats.items())
+    LLM(str(model_dir), kv_cache_memory="8MiB")
+
+
+@pytest.mark.slow
 def test_the_default_models_own_blocks_decode_as_its_float_weights(default_llm):
     """The float32 default model is its GGUF blocks dequantized: greedy tokens
     from the blocks themselves match."""

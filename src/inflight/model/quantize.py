@@ -6,16 +6,25 @@ from a GGUF file and keeps that file's own Q8_0, Q4_0 and Q4_1 blocks, never
 expanded to float32 (float32 and float16 matrices stay float32). Either way an
 embedding tied to the output layer looks its rows up in the output layer's
 quantized matrix, so the table is stored once.
+
+The GGUF file's blocks are kept beside its converted copy after the first
+read (``gguf_blocks.cache``, in safetensors format): the gguf package parses
+the whole file's metadata, its vocabulary included, which took seconds of
+every start.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file
 from torch import nn
 
 from inflight.model.gguf_convert import iter_tensors
@@ -23,6 +32,10 @@ from inflight.model.layers import Embedding, Linear
 from inflight.ops.quant import GGUF_FORMATS, QuantizedWeight, QuantOps, pack_blocks
 
 _BLOCK_TYPES = {t: name for name, t in GGUF_FORMATS.items()}
+# Not *.safetensors: the float32 weights are every *.safetensors file of the directory.
+BLOCKS_FILE = "gguf_blocks.cache"
+
+logger = logging.getLogger(__name__)
 
 
 def quantize_weights(model: nn.Module, ops: QuantOps) -> None:
@@ -36,7 +49,16 @@ def read_gguf_weights(gguf_path: Path, model_dir: Path
                       ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray]]]:
     """The tensors of a GGUF file by Hugging Face name: float32 ones, and the
     raw blocks ``(format, [rows, bytes per row])`` of Q8_0, Q4_0 and Q4_1
-    matrices. ``model_dir`` is the file's converted directory (its config)."""
+    matrices. ``model_dir`` is the file's converted directory (its config and
+    float32 weights); the blocks are cached there."""
+    cached = model_dir / BLOCKS_FILE
+    if cached.exists():
+        with safe_open(str(cached), framework="np") as f:
+            formats = f.metadata()
+            blocks = {name: (formats[name], f.get_tensor(name)) for name in f.keys()}
+        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+            floats = {name: f.get_tensor(name) for name in f.keys() if name not in blocks}
+        return floats, blocks
     config = json.loads((model_dir / "config.json").read_text())
     floats, blocks = {}, {}
     reader = gguf.GGUFReader(str(gguf_path))
@@ -45,7 +67,21 @@ def read_gguf_weights(gguf_path: Path, model_dir: Path
             blocks[name] = (_BLOCK_TYPES[kind], data)
         else:
             floats[name] = torch.from_numpy(np.array(data))  # the file is mapped read-only
+    _save_blocks(cached, blocks)
     return floats, blocks
+
+
+def _save_blocks(path: Path, blocks: dict[str, tuple[str, np.ndarray]]) -> None:
+    """Keep ``blocks`` in ``path`` (written whole or not at all); a cache that
+    cannot be written is only a slower next start."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file({name: data for name, (_, data) in blocks.items()}, str(tmp),
+                  metadata={name: fmt for name, (fmt, _) in blocks.items()})
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("could not cache the GGUF blocks in %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
 
 
 def load_gguf_blocks(model: nn.Module, ops: QuantOps, blocks: dict[str, tuple[str, np.ndarray]],
