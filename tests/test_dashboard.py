@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -244,8 +245,9 @@ class TickingLog:
         return SimpleNamespace(num_waiting=0, num_running=1, kv_cache_usage=0.1)
 
 
-async def feed_writes(interval: float, ticks: int) -> list[str]:
-    """What ``_frames`` writes in ``ticks`` ticks after its hello, write by write."""
+async def feed_writes(interval: float, ticks: int) -> list[tuple[float, str]]:
+    """What ``_frames`` writes in ``ticks`` ticks after its hello, write by
+    write, each with the loop time it came."""
     from inflight.server import dashboard
 
     class Connected:
@@ -253,27 +255,31 @@ async def feed_writes(interval: float, ticks: int) -> list[str]:
             return False
 
     frames = dashboard._frames(Connected(), TickingLog(), {}, interval, 10)
-    writes = [await anext(frames) for _ in range(ticks + 1)]
+    loop = asyncio.get_running_loop()
+    writes = []
+    for _ in range(ticks + 1):
+        write = await anext(frames)
+        writes.append((loop.time(), write))
     await frames.aclose()
     return writes
 
 
 def test_a_tick_is_one_write_and_summaries_wait_for_the_longer_period(monkeypatch):
     """A tick's steps and summary reach the page in one write (one paint
-    there), and a page that asks for frames less often than the summary period
-    gets a summary every frame, not more."""
+    there); summaries come every SUMMARY_EVERY_S, or every frame when frames
+    are further apart than that."""
     from inflight.server import dashboard
 
-    monkeypatch.setattr(dashboard, "SUMMARY_EVERY_S", 0.05)
-    writes = asyncio.run(feed_writes(0.01, 12))
-    assert writes[0].startswith("event: hello")
+    monkeypatch.setattr(dashboard, "SUMMARY_EVERY_S", 0.1)
+    writes = asyncio.run(feed_writes(0.01, 15))
+    assert writes[0][1].startswith("event: hello")
     ticks = writes[1:]
-    assert all(w.count("event: steps") == 1 for w in ticks)
-    with_summary = [i for i, w in enumerate(ticks) if "event: summary" in w]
-    assert with_summary[0] == 0 and 2 <= len(with_summary) <= 4, with_summary
-    assert all("event: summary" not in w for w in ticks[1:3])  # 0.05 s apart, not 0.01
-    writes = asyncio.run(feed_writes(0.1, 3))
-    assert all("event: steps" in w and "event: summary" in w for w in writes[1:])
+    assert all(w.count("event: steps") == 1 for _, w in ticks)
+    summaries = [t for t, w in ticks if "event: summary" in w]
+    assert "event: summary" in ticks[0][1] and 2 <= len(summaries) < len(ticks)
+    assert all(b - a > 0.09 for a, b in zip(summaries, summaries[1:]))  # times of the writes
+    writes = asyncio.run(feed_writes(0.15, 3))
+    assert all("event: steps" in w and "event: summary" in w for _, w in writes[1:])
 
 
 # ---------------------------------------------------------------- over HTTP
@@ -518,9 +524,14 @@ def test_bench_dashboard_alternates_rounds_and_reads_the_feed(capsys):
     with pytest.raises(ValueError, match="--screenshot needs --viewer chromium"):
         dashboard_cost.run(config, requests=8, concurrency=4, rounds=1, viewer="sse",
                            max_tokens=None, screenshot="x.png")
-    with pytest.raises(ValueError, match="--refresh needs --viewer chromium"):
-        dashboard_cost.run(config, requests=8, concurrency=4, rounds=1, viewer="sse",
-                           max_tokens=None, screenshot=None, refresh=1.0)
+    from inflight.server.dashboard import STATIC
+
+    periods = re.findall(r'<option value="([\d.]+)">', (STATIC / "dashboard.html").read_text())
+    assert {float(p) for p in periods} - {0} == set(dashboard_cost.PAGE_REFRESH_S)
+    for viewer, refresh in (("sse", 1.0), ("chromium", 0.3)):
+        with pytest.raises(ValueError, match="--refresh needs --viewer chromium and one of"):
+            dashboard_cost.run(config, requests=8, concurrency=4, rounds=1, viewer=viewer,
+                               max_tokens=None, screenshot=None, refresh=refresh)
 
 
 def test_the_browsers_cpu_is_read_over_its_whole_process_tree():

@@ -37,6 +37,7 @@ from inflight.server.dashboard import (BACKLOG_STEPS, FEED_COLUMNS, FEED_INTERVA
                                        SUMMARY_EVERY_S, coalesce, event)
 
 VIEWERS = ("sse", "chromium")
+PAGE_REFRESH_S = (0.25, 0.5, 1, 2, 5)  # the page's refresh picker (dashboard.html)
 
 
 def feed_reader(url: str, stop: threading.Event, counts: dict[str, int]) -> None:
@@ -208,8 +209,9 @@ def run(config: EngineConfig, *, requests: int, concurrency: int, rounds: int, v
         raise ValueError("--rounds, --num-requests and --concurrency must be >= 1")
     if screenshot is not None and viewer != "chromium":
         raise ValueError("--screenshot needs --viewer chromium")
-    if refresh is not None and (viewer != "chromium" or not 0.25 <= refresh <= 5):
-        raise ValueError("--refresh needs --viewer chromium and 0.25 <= seconds <= 5")
+    if refresh is not None and (viewer != "chromium" or refresh not in PAGE_REFRESH_S):
+        raise ValueError("--refresh needs --viewer chromium and one of the page's periods: "
+                         + ", ".join(f"{s:g}" for s in PAGE_REFRESH_S))
     # The chat scenario's shapes, from two tenants (so that the page has shares to show).
     chat = serving.SCENARIOS["chat"][0]
     # (Arrival times do not matter in a closed loop: a high rate over a short
