@@ -208,10 +208,11 @@ def test_perplexity_of_every_format_on_the_default_model(default_llm, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_gguf_blocks_are_cached_beside_the_converted_model(tmp_path):
+def test_the_gguf_blocks_are_cached_beside_the_converted_model(tmp_path, monkeypatch):
     """The second read of a GGUF file's weights comes from the cache, the same
     bits; the float32 model in that directory still loads (the cache is not one
     of its weight files)."""
+    from inflight.model import quantize
     from inflight.model.loader import gguf_file, resolve_model_dir
     from inflight.model.quantize import BLOCKS_FILE, read_gguf_weights
 
@@ -228,6 +229,14 @@ def test_the_gguf_blocks_are_cached_beside_the_converted_model(tmp_path):
     assert floats.keys() == cached_floats.keys()
     assert all(torch.equal(tensor, cached_floats[name]) for name, tensor in floats.items())
     LLM(str(model_dir), kv_cache_memory="8MiB")
+    # A cache made when other block formats were kept is not used: the file is read.
+    def reread(path: str):
+        raise RuntimeError("read the GGUF file")
+
+    monkeypatch.setattr(quantize, "_kept", lambda: "q9_9")
+    monkeypatch.setattr(quantize.gguf, "GGUFReader", reread)
+    with pytest.raises(RuntimeError, match="read the GGUF file"):
+        read_gguf_weights(gguf_file(None), model_dir)
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from inflight.ops.quant import GGUF_FORMATS, QuantizedWeight, QuantOps, pack_blo
 _BLOCK_TYPES = {t: name for name, t in GGUF_FORMATS.items()}
 # Not *.safetensors: the float32 weights are every *.safetensors file of the directory.
 BLOCKS_FILE = "gguf_blocks.cache"
+_KEPT = "__formats__"  # the cache's metadata key: the block formats kept when it was made
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +53,9 @@ def read_gguf_weights(gguf_path: Path, model_dir: Path
     matrices. ``model_dir`` is the file's converted directory (its config and
     float32 weights); the blocks are cached there."""
     cached = model_dir / BLOCKS_FILE
-    if cached.exists():
-        with safe_open(str(cached), framework="np") as f:
-            formats = f.metadata()
-            blocks = {name: (formats[name], f.get_tensor(name)) for name in f.keys()}
-        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-            floats = {name: f.get_tensor(name) for name in f.keys() if name not in blocks}
-        return floats, blocks
+    found = _read_cached(cached, model_dir) if cached.exists() else None
+    if found is not None:
+        return found
     config = json.loads((model_dir / "config.json").read_text())
     floats, blocks = {}, {}
     reader = gguf.GGUFReader(str(gguf_path))
@@ -71,13 +68,31 @@ def read_gguf_weights(gguf_path: Path, model_dir: Path
     return floats, blocks
 
 
+def _kept() -> str:
+    return ",".join(sorted(GGUF_FORMATS))
+
+
+def _read_cached(path: Path, model_dir: Path
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray]]] | None:
+    """The cached blocks and the float32 rest of the model, or None for a cache
+    made when other block formats were kept."""
+    with safe_open(str(path), framework="np") as f:
+        formats = f.metadata() or {}
+        if formats.get(_KEPT) != _kept():
+            return None
+        blocks = {name: (formats[name], f.get_tensor(name)) for name in f.keys()}
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        floats = {name: f.get_tensor(name) for name in f.keys() if name not in blocks}
+    return floats, blocks
+
+
 def _save_blocks(path: Path, blocks: dict[str, tuple[str, np.ndarray]]) -> None:
     """Keep ``blocks`` in ``path`` (written whole or not at all); a cache that
     cannot be written is only a slower next start."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         save_file({name: data for name, (_, data) in blocks.items()}, str(tmp),
-                  metadata={name: fmt for name, (fmt, _) in blocks.items()})
+                  metadata={_KEPT: _kept(), **{name: fmt for name, (fmt, _) in blocks.items()}})
         os.replace(tmp, path)
     except OSError as e:
         logger.warning("could not cache the GGUF blocks in %s: %s", path, e)
