@@ -7,9 +7,6 @@ import shutil
 import time
 from pathlib import Path
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-
 
 def wait_for(driver, script: str, timeout: float = 20.0):
     """The script's value once it is truthy (polled), else a failed assertion."""

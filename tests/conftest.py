@@ -43,13 +43,12 @@ def default_llm():
 def browser():
     """Headless Chromium through Selenium (skips where Debian's chromium and
     chromium-driver are not installed)."""
-    from browser_helpers import CHROMEDRIVER, CHROMIUM
-
     from inflight.bench.dashboard_cost import chromium_driver
 
-    if CHROMIUM is None or CHROMEDRIVER is None:
-        pytest.skip("Chromium and chromedriver are not installed (`make test` installs Debian's "
-                    "chromium and chromium-driver with apt-get where it runs as root)")
-    driver = chromium_driver()
+    try:
+        driver = chromium_driver()  # a ValueError names what is missing
+    except ValueError as e:
+        pytest.skip(f"{e} (`make test` installs Debian's chromium and chromium-driver with "
+                    "apt-get where it runs as root)")
     yield driver
     driver.quit()

@@ -127,12 +127,13 @@ def chromium_driver() -> Any:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
     except ImportError:
-        raise ValueError("--viewer chromium needs selenium (pip install selenium)") from None
+        raise ValueError("headless Chromium (--viewer chromium) needs selenium "
+                         "(pip install selenium)") from None
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
     if browser is None or driver_path is None:
-        raise ValueError("--viewer chromium needs chromium and chromedriver on PATH "
-                         "(Debian: apt-get install chromium chromium-driver)")
+        raise ValueError("headless Chromium (--viewer chromium) needs chromium and chromedriver "
+                         "on PATH (Debian: apt-get install chromium chromium-driver)")
     options = webdriver.ChromeOptions()
     options.binary_location = browser
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",

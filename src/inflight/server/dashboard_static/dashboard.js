@@ -21,11 +21,13 @@ const state = { hello: null, columns: [], summary: null, load: null, replica: nu
 window.inflightDashboard = state;
 
 const $ = (id) => document.getElementById(id);
-// Write a text only when it changes (an unchanged write still costs the page a layout).
-function setText(id, text) {
-  const el = $(id);
-  if (el.textContent !== String(text)) el.textContent = text;
+// Write a property only when it changes (an unchanged write still costs the
+// page a layout).
+function setProp(el, name, value) {
+  if (el[name] !== value) el[name] = value;
 }
+
+function setText(id, text) { setProp($(id), "textContent", String(text)); }
 
 // Seconds between frames, one of the picker's: from the address (#refresh=2),
 // else as last chosen here, else 1.
@@ -358,10 +360,6 @@ function rows(box, count, make) {
   while (box.children.length > count) box.lastChild.remove();
   while (box.children.length < count) box.appendChild(make());
   return box.children;
-}
-
-function setProp(el, name, value) {
-  if (el[name] !== value) el[name] = value;
 }
 
 function drawTenants(tokens) {
