@@ -56,3 +56,24 @@ def test_the_prefix_hit_rate_comes_from_the_servers_counters(tiny_model, caching
             assert data["prefix_cache_hit_rate"] in (None, 0.0)
     finally:
         server.stop()
+
+
+def test_requests_go_out_at_their_arrival_times_and_lateness_is_reported(tiny_model):
+    server = start_server(EngineConfig(model=str(tiny_model("llama-gqa")), dtype="float32",
+                                       kv_cache_memory="16MiB"))
+    try:
+        specs = [serving.RequestSpec("c", arrival, "one two three", 2)
+                 for arrival in (0.0, 0.3, 0.6, 0.9)]
+        data = serving.run(server.url, None, specs, None, None, None)
+        sent, late = data["sent_seconds"], data["overall"]["late_seconds"]
+        assert data["overall"]["failed"] == 0 and len(sent) == 4
+        # In the requests' order, none early, none very late on an idle machine.
+        assert all(spec.arrival <= t < spec.arrival + 0.25 for spec, t in zip(specs, sent)), sent
+        assert 0 <= late["p50"] <= late["p99"] < 0.25
+        # A closed loop reports its send times in the requests' order too: two
+        # at once, then each as a previous one finishes.
+        data = serving.run(server.url, None, specs, 2, None, None)
+        sent = data["sent_seconds"]
+        assert len(sent) == 4 and max(sent[:2]) < 0.1 and min(sent[2:]) > 0
+    finally:
+        server.stop()

@@ -135,6 +135,9 @@ def test_a_freed_slot_is_refilled_lowest_first_and_a_preempted_slot_in_the_same_
     log.stepped(decode("a", "c", "d"))  # d takes b's slot, the lowest free
     log.stepped(decode("a", "d", preempted_ids=["c"]))
     records = log.steps_since(0, 10)
+    # context: cached + new tokens; pairs: n * (cached + (n + 1) / 2) per sequence
+    assert [(r["context"], r["pairs"]) for r in records] == [(15, 45.0), (18, 18.0), (18, 18.0),
+                                                             (12, 12.0)]
     assert [sorted(c[:3] for c in r["cells"]) for r in records] == [
         [[0, "a", "p"], [1, "b", "p"], [2, "c", "p"]],
         [[0, "a", "d"], [1, "b", "d"], [2, "c", "d"]],
@@ -203,7 +206,7 @@ def test_steps_since_pages_forward_and_the_ring_forgets_the_oldest():
 def record(step: int, cells: list, **fields) -> dict:
     return {"step": step, "time": float(step), "seconds": 0.01, "cells": cells, "waiting": step,
             "running": len(cells), "kv_usage": 0.1, "tokens": 1, "prompt_tokens": 0,
-            "generated": 1, "preempted": 0, **fields}
+            "generated": 1, "preempted": 0, "context": 10, "pairs": 10.0, **fields}
 
 
 def test_coalescing_keeps_the_strongest_cell_and_sums_the_rest():
@@ -217,7 +220,7 @@ def test_coalescing_keeps_the_strongest_cell_and_sums_the_rest():
     assert sorted(merged[0]["cells"]) == [[0, "a", "d", 2], [1, "b", "p", 9]]
     assert sorted(merged[1]["cells"]) == [[0, "c", "p", 5, "a"], [1, "b", "h", 0]]
     assert merged[1]["waiting"] == 3 and merged[1]["preempted"] == 1
-    assert merged[0]["tokens"] == 2
+    assert merged[0]["tokens"] == 2 and merged[0]["context"] == 20 and merged[0]["pairs"] == 20
     assert len(coalesce([record(i, []) for i in range(1000)], 24)) == 24
     assert coalesce([], 5) == []
 

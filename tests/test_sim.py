@@ -6,6 +6,7 @@ routing, serving limits, the command line, and no torch on its path."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import zlib
@@ -546,4 +547,6 @@ def test_serving_calibration_prices_what_the_server_adds(tiny_model):
     model = calibrate(config, quick=True, with_serving=False)
     runs = fit_serving(model, config, duration=1.5)
     assert len(runs) == 2 and all(r["requests"] > 0 and r["tpot_p50"] > 0 for r in runs)
+    # the server's steps were read from its feed and priced by the sweep's fit
+    assert all(math.isfinite(r["speed"]) and r["speed"] > 0 for r in runs), runs
     assert model.serving_step_seconds >= 0 and model.serving_token_seconds >= 0

@@ -11,15 +11,16 @@ second chunk attends to the first), and the ``mixed`` workload. The
 fitted on. Swapping a KV block costs its bytes at this machine's measured copy
 bandwidth.
 
-Serving adds a cost per step and per streamed token (the server's event
-loop and the load generator run on the same cores as the engine). Unless
-``--no-serving``, ``inflight serve`` is started and loaded with the ``chat``
-scenario at 30 % and 70 % of the capacity the fitted model predicts (seeds of
-their own, not the validation's), and the two costs are found by alternate
-bisections so that the simulated TPOT p50 of the same requests matches the
-measured one in both runs (the per-step cost from the light run, the
-per-token cost from the busier one; each stays 0 where the simulation is
-already as slow as the server).
+Serving adds a cost per step and per streamed token: between two steps
+the server's loop hands the last step's tokens to the HTTP streams (its
+event loop and the load generator run on the same cores as the engine).
+Unless ``--no-serving``, ``inflight serve`` is started and loaded with the
+``chat`` scenario at 30 % and 70 % of the capacity the fitted model predicts
+(seeds of their own, not the validation's); its steps are read from its
+dashboard feed (``bench.step_feed``), and the time from each step's end to
+the next one's start, while work was waiting, is fitted as ``serving_step +
+serving_token x tokens streamed``. How fast the served steps ran against the
+sweep's fit is recorded with each run (``speed``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import numpy as np
 
 from inflight.bench import serving
 from inflight.bench.server_process import ServerProcess
+from inflight.bench.step_feed import StepFeed, between_steps, measured_against
 from inflight.bench.workloads import synthetic
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
@@ -45,14 +47,13 @@ from inflight.model.loader import resolve_model_dir
 from inflight.model.tokenizer import Tokenizer
 from inflight.sim.capacity import burst_capacity
 from inflight.sim.cost_model import LinearCostModel, StepShape, step_shape
-from inflight.sim.report import report
-from inflight.sim.simulator import SimConfig, Simulator
-from inflight.sim.trace import from_specs
+from inflight.sim.simulator import SimConfig
 from inflight.worker.runner import Runner, RunnerOutput
 
 
 class ShapeRecorder:
-    """Wraps the engine's runner: notes the shape of every step it computes."""
+    """Wraps the engine's runner: notes the shape of every step it computes
+    (``last_shape``, and all of them in ``shapes``)."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
@@ -60,19 +61,21 @@ class ShapeRecorder:
         self.num_host_blocks = runner.num_host_blocks
         self.max_model_len = runner.max_model_len
         self.last_shape: StepShape | None = None
+        self.shapes: list[StepShape] = []
 
     def move_blocks(self, out: Any) -> None:
         self.runner.move_blocks(out)
 
     def execute(self, out: Any) -> RunnerOutput:
         self.last_shape = step_shape(out)
+        self.shapes.append(self.last_shape)
         return self.runner.execute(out)
 
     def __getattr__(self, name: str) -> Any:  # device, weight_bytes, ... of the real runner
         return getattr(self.runner, name)
 
 
-def _run(engine: EngineCore, recorder: ShapeRecorder, prompts: list[list[int]],
+def record_steps(engine: EngineCore, recorder: ShapeRecorder, prompts: list[list[int]],
          max_tokens: list[int], samples: list[tuple[StepShape, float]],
          joining: list[list[int]] | None = None) -> None:
     """Add every prompt at once, step to the end, record each step. The
@@ -110,7 +113,7 @@ def sweep(engine: EngineCore, recorder: ShapeRecorder, quick: bool = False
         return [(k * 7919 + j * 104729) % (vocab - 1) + 1 for j in range(n)]
 
     samples: list[tuple[StepShape, float]] = []
-    _run(engine, recorder, [prompt(24)], [4], [])  # warm-up, not recorded
+    record_steps(engine, recorder, [prompt(24)], [4], [])  # warm-up, not recorded
     # (context, batch sizes, prompts joining the decodes): long contexts only
     # in small batches, whose prompts cost the sweep most of its time.
     plan = [(64, (1, 4, 16, 64, 128, 256), (16, 64, 128, 256, 512)),
@@ -123,18 +126,18 @@ def sweep(engine: EngineCore, recorder: ShapeRecorder, quick: bool = False
             if (context + steps > limit or size > slots
                     or size * (context + steps) > engine.kv_cache.capacity_tokens):
                 continue
-            _run(engine, recorder, [prompt(context) for _ in range(size)], [steps] * size,
-                 samples, [prompt(n) for n in joining])
+            record_steps(engine, recorder, [prompt(context) for _ in range(size)],
+                         [steps] * size, samples, [prompt(n) for n in joining])
     lengths = [n for n in (16, 64, 256, 512, 1024, 2048, 4096) if n <= min(budget, limit - 1)]
     for n in lengths:
         for _ in range(1 if quick else 2):
-            _run(engine, recorder, [prompt(n)], [1], samples)
+            record_steps(engine, recorder, [prompt(n)], [1], samples)
     if budget + 512 < limit:  # a second chunk attending to the first
-        _run(engine, recorder, [prompt(budget + 512)], [1], samples)
+        record_steps(engine, recorder, [prompt(budget + 512)], [1], samples)
     # (seed 1: not the requests of the validation's seed-0 mixed workload)
     mixed = synthetic("mixed", 32 if quick else 64, 1, engine.model.vocab_size, limit)
-    _run(engine, recorder, [r.prompt_token_ids for r in mixed], [r.max_tokens for r in mixed],
-         samples)
+    record_steps(engine, recorder, [r.prompt_token_ids for r in mixed],
+                 [r.max_tokens for r in mixed], samples)
     return samples
 
 
@@ -155,47 +158,52 @@ SERVING_RUNS = ((0.3, 7), (0.7, 8))  # (share of the predicted capacity, seed)
 
 def fit_serving(model: LinearCostModel, config: EngineConfig, duration: float = 30.0
                 ) -> list[dict[str, float]]:
-    """Set ``model.serving_step_seconds`` and ``serving_token_seconds`` from two
-    serving runs (see the module docstring); returns the runs' figures."""
+    """Set ``model.serving_step_seconds`` and ``serving_token_seconds`` from
+    the time between the server's steps in two serving runs (see the module
+    docstring); returns the runs' figures."""
     tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model))
     sim_config = SimConfig.build(config, model)
     chat = serving.SCENARIOS["chat"]
     capacity = burst_capacity(sim_config, model, chat, tokenizer.encode)
-    runs = []
+    runs, gaps = [], []
     with ServerProcess(config) as url:
         for share, seed in SERVING_RUNS:
             specs = serving.build_requests([replace(c, rate=share * capacity) for c in chat],
                                            duration, seed)
-            measured = serving.run(url, None, specs, None, None, None)["overall"]
-            runs.append((from_specs(specs, tokenizer.encode),
-                         {"rate": share * capacity, "requests": len(specs),
-                          "tpot_p50": measured["tpot_seconds"]["p50"],
-                          "ttft_p50": measured["ttft_seconds"]["p50"]}))
+            with StepFeed(url) as feed:
+                measured = serving.run(url, None, specs, None, None, None)["overall"]
+            gaps += between_steps(feed.steps)
+            runs.append({"rate": share * capacity, "requests": len(specs),
+                         "tpot_p50": measured["tpot_seconds"]["p50"],
+                         "ttft_p50": measured["ttft_seconds"]["p50"],
+                         "speed": measured_against(feed.steps, model)["speed"]})
+    model.serving_step_seconds, model.serving_token_seconds = fit_between_steps(gaps)
+    return runs
 
-    def tpot(trace: list[Any], step: float, token: float) -> float:
-        model.serving_step_seconds, model.serving_token_seconds = step, token
-        return report(Simulator(sim_config, model).run(trace))["overall"]["tpot_seconds"]["p50"]
 
-    def solve(run: int, cost: Any, high: float) -> float:
-        """The value (>= 0) that makes run ``run``'s simulated TPOT p50 its
-        measured one, by bisection (TPOT grows with it)."""
-        trace, target = runs[run][0], runs[run][1]["tpot_p50"]
-        if tpot(trace, *cost(0.0)) >= target:
-            return 0.0
-        low = 0.0
-        for _ in range(14):
-            mid = (low + high) / 2
-            low, high = (mid, high) if tpot(trace, *cost(mid)) < target else (low, mid)
-        return (low + high) / 2
+def fit_between_steps(gaps: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(a, b) >= 0`` of ``seconds = a + b * tokens`` over (tokens streamed,
+    seconds between steps) pairs by least squares, refitted without the
+    twentieth it fits worst (a collection, a burst of arrivals)."""
+    if len(gaps) < 2:
+        raise ValueError(f"need at least 2 steps between steps to fit, got {len(gaps)}")
+    x = np.array([(1.0, rows) for rows, _ in gaps])
+    y = np.array([max(0.0, g) for _, g in gaps])
 
-    # Alternately: the per-step cost from the light run, the per-token cost
-    # from the busier one (where more tokens share each step).
-    step = token = 0.0
-    for _ in range(4):
-        step = solve(0, lambda v: (v, token), 0.05)
-        token = solve(1, lambda v: (step, v), 0.005)
-    model.serving_step_seconds, model.serving_token_seconds = step, token
-    return [figures for _, figures in runs]
+    def solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+        if coef[0] < 0:  # through the origin
+            coef = np.array([0.0, max(0.0, float(x[:, 1] @ y) / max(float(x[:, 1] @ x[:, 1]), 1e-12))])
+        elif coef[1] < 0:
+            coef = np.array([float(y.mean()), 0.0])
+        return coef
+
+    coef = solve(x, y)
+    residual = np.abs(x @ coef - y)
+    kept = residual <= np.quantile(residual, 0.95)
+    if kept.sum() >= 2:
+        coef = solve(x[kept], y[kept])
+    return float(coef[0]), float(coef[1])
 
 
 def calibrate(config: EngineConfig, quick: bool = False, with_serving: bool = True
@@ -246,7 +254,8 @@ def run(args: Any, config: EngineConfig) -> int:
     if args.serving:
         for run in ctx["serving_runs"]:
             print(f"  serving run: {run['requests']} chat requests at {run['rate']:.2f}/s, "
-                  f"TPOT p50 {1000 * run['tpot_p50']:.1f} ms")
+                  f"TPOT p50 {1000 * run['tpot_p50']:.1f} ms, steps at {run['speed']:.2f}x "
+                  f"the sweep's fit")
         print(f"  serving adds {1000 * model.serving_step_seconds:.2f} ms per step and "
               f"{1000 * model.serving_token_seconds:.3f} ms per streamed token")
     print(f"  swap {1e6 * model.swap_block_seconds:.1f} us/block; "

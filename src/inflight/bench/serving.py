@@ -71,6 +71,10 @@ class RequestResult:
     e2e: float = 0.0
     output_tokens: int = 0
     chunk_gaps: list[float] = field(default_factory=list)
+    # When it was sent, in seconds from the run's start, and how long after
+    # its arrival time (a load generator short of CPU falls behind).
+    sent: float = 0.0
+    late: float = 0.0
 
     @property
     def tpot(self) -> float | None:
@@ -229,7 +233,10 @@ async def run_open_loop(url: str, model: str, specs: list[RequestSpec]
             delay = spec.arrival - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            return await send(http, url, model, spec)
+            sent = time.perf_counter() - start
+            result = await send(http, url, model, spec)
+            result.sent, result.late = sent, max(0.0, sent - spec.arrival)
+            return result
 
         results = await asyncio.gather(*(fire(s) for s in specs))
         return list(results), time.perf_counter() - start
@@ -238,19 +245,22 @@ async def run_open_loop(url: str, model: str, specs: list[RequestSpec]
 async def run_closed_loop(url: str, model: str, specs: list[RequestSpec], concurrency: int
                           ) -> tuple[list[RequestResult], float]:
     """Keep ``concurrency`` requests in flight until every one is served."""
-    queue: asyncio.Queue[RequestSpec] = asyncio.Queue()
-    for spec in specs:
-        queue.put_nowait(spec)
-    results: list[RequestResult] = []
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(specs)):
+        queue.put_nowait(i)
+    results: list[RequestResult | None] = [None] * len(specs)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as http:
         async def worker() -> None:
             while not queue.empty():
-                results.append(await send(http, url, model, queue.get_nowait()))
+                i = queue.get_nowait()
+                sent = time.perf_counter() - start
+                results[i] = await send(http, url, model, specs[i])
+                results[i].sent = sent
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return results, time.perf_counter() - start
+        return [r for r in results if r is not None], time.perf_counter() - start
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -321,12 +331,14 @@ def report(results: list[RequestResult], wall: float, slo_ttft: float | None,
             "tpot_seconds": summarize([t for r in ok if (t := r.tpot) is not None]),
             "itl_seconds": summarize([g for r in ok for g in r.chunk_gaps]),
             "e2e_seconds": summarize([r.e2e for r in ok]),
+            "late_seconds": summarize([r.late for r in rs]),
             "errors": sorted({f"{r.status} {r.error}" for r in rs if not r.ok})[:5],
         }
 
     classes = sorted({r.cls for r in results})
     return {"wall_seconds": wall, "slo": {"ttft_seconds": slo_ttft, "tpot_seconds": slo_tpot},
             "prefix_cache_hit_rate": prefix_hit_rate,
+            "sent_seconds": [r.sent for r in results],  # each request's, in their order
             "overall": block(results),
             "classes": {c: block([r for r in results if r.cls == c]) for c in classes}}
 
@@ -350,6 +362,10 @@ def print_report(title: str, data: dict[str, Any], hit_rate_source: str = "serve
         for error in block["errors"]:
             print(f"    error ({block['failed']} failed): {error}")
     print("  (milliseconds; goodput: requests/s meeting the SLO)")
+    late = data["overall"].get("late_seconds")
+    if late is not None and late["p99"] > 0.01:
+        print(f"  requests went out after their arrival times by {1000 * late['p50']:.0f} ms "
+              f"(p50), {1000 * late['p99']:.0f} ms (p99): the load generator was short of CPU")
     if data.get("prefix_cache_hit_rate") is not None:
         print(f"  prefix cache hit rate ({hit_rate_source}): "
               f"{100 * data['prefix_cache_hit_rate']:.1f}% of prompt tokens")

@@ -217,8 +217,15 @@ class StepLog:
                 if live is not None:
                     self._release(live)
                     self._event(live, now, step, seq, "beam ended", "")
+            # What the batch attended over: context tokens (each sequence's
+            # cached plus new ones) and query-key pairs (as sim.cost_model counts them).
+            context = pairs = 0.0
+            for n, before in zip(stats.new_tokens, stats.computed_before):
+                context += before + n
+                pairs += n * (before + (n + 1) / 2)
             self._steps.append({
                 "step": step, "time": now, "seconds": stats.seconds, "cells": cells,
+                "context": int(context), "pairs": pairs,
                 "waiting": stats.num_waiting, "running": stats.num_running,
                 "kv_usage": stats.kv_cache_usage, "tokens": stats.num_tokens,
                 "prompt_tokens": stats.num_prompt_tokens, "generated": stats.generation_tokens,

@@ -78,7 +78,8 @@ def coalesce(records: list[dict[str, Any]], max_columns: int) -> list[dict[str, 
             "waiting": last["waiting"], "running": last["running"],
             "kv_usage": last["kv_usage"],
             **{key: sum(r[key] for r in part)
-               for key in ("tokens", "prompt_tokens", "generated", "preempted")}})
+               for key in ("tokens", "prompt_tokens", "generated", "preempted", "context",
+                           "pairs")}})
     return columns
 
 

@@ -207,6 +207,34 @@ class RooflineCostModel:
                       moved / (hw.memory_bandwidth * hw.bandwidth_efficiency)))
 
 
+@dataclass
+class ScaledCostModel:
+    """Another model with every cost times ``speed``: the same machine measured
+    slower (``speed`` > 1) or faster than when that model was calibrated."""
+
+    model: CostModel
+    speed: float
+
+    def __post_init__(self) -> None:
+        if not self.speed > 0:
+            raise ValueError(f"speed must be > 0, got {self.speed}")
+
+    @property
+    def swap_block_seconds(self) -> float:
+        return self.speed * self.model.swap_block_seconds
+
+    @property
+    def serving_step_seconds(self) -> float:
+        return self.speed * self.model.serving_step_seconds
+
+    @property
+    def serving_token_seconds(self) -> float:
+        return self.speed * self.model.serving_token_seconds
+
+    def step_seconds(self, shape: StepShape) -> float:
+        return self.speed * self.model.step_seconds(shape)
+
+
 def load_cost_model(path: Path) -> LinearCostModel:
     """A fitted model saved by ``inflight bench calibrate``; ValueError if the
     file is not one."""
