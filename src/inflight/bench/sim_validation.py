@@ -21,7 +21,7 @@ The checks are on the simulation with the calibration as it is. Beside
 them, each serving run is simulated again with every cost scaled by the
 speed the run's own steps measured against the calibration
 (``ScaledCostModel``; the server's steps are read from its dashboard feed):
-this machine's speed moves by 5-10 % between runs minutes apart (other
+this machine's speed moves by 5-15 % between runs minutes apart (other
 tenants of its host), and in overload a few per cent of speed moves
 queueing delay by tens of per cent, so that second figure says how much of
 an error is the machine drifting and how much the simulator (scheduling,
