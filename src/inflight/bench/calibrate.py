@@ -76,8 +76,8 @@ class ShapeRecorder:
 
 
 def record_steps(engine: EngineCore, recorder: ShapeRecorder, prompts: list[list[int]],
-         max_tokens: list[int], samples: list[tuple[StepShape, float]],
-         joining: list[list[int]] | None = None) -> None:
+                 max_tokens: list[int], samples: list[tuple[StepShape, float]],
+                 joining: list[list[int]] | None = None) -> None:
     """Add every prompt at once, step to the end, record each step. The
     ``joining`` prompts (one token out each) come one at a time whenever
     everything running is decoding: steps of decodes with a prompt in them."""
@@ -193,8 +193,10 @@ def fit_between_steps(gaps: list[tuple[int, float]]) -> tuple[float, float]:
     def solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         coef, *_ = np.linalg.lstsq(x, y, rcond=None)
         if coef[0] < 0:  # through the origin
-            coef = np.array([0.0, max(0.0, float(x[:, 1] @ y) / max(float(x[:, 1] @ x[:, 1]), 1e-12))])
-        elif coef[1] < 0:
+            tokens = x[:, 1]
+            coef = np.array([0.0, max(0.0, float(tokens @ y) / max(float(tokens @ tokens),
+                                                                    1e-12))])
+        elif coef[1] < 0:  # the mean
             coef = np.array([float(y.mean()), 0.0])
         return coef
 

@@ -77,6 +77,8 @@ class StepFeed:
         self._stop.set()
         # The feed writes at least every few seconds (a load event), which wakes the reader.
         self._thread.join(10)
+        if self._error is not None and exc[0] is None:
+            raise RuntimeError(f"the dashboard feed from {self.url} failed: {self._error}")
         previous: dict[str, Any] | None = None
         for column in list(self._columns):
             idle = previous is None or (previous["running"] == 0 and previous["waiting"] == 0)
@@ -97,7 +99,7 @@ class StepFeed:
                         name = line[7:]
                     elif line.startswith("data: "):
                         self._on_event(name, json.loads(line[6:]))
-        except Exception as e:  # reported by __enter__ if it never subscribed
+        except Exception as e:  # raised by __enter__ or __exit__
             self._error = e
         finally:
             self._subscribed.set()
