@@ -26,10 +26,11 @@ def column(step: int, time: float, seconds: float, cells: list, running: int = 1
 
 def test_a_feed_column_becomes_a_step_shape():
     step = served_step(column(3, 10.0, 0.05, [[0, "a", "p", 32], [1, "b", "d", 1],
-                                               [2, "c", "h", 0], [3, "d", "x", 0]],
-                              generated=1), after_idle=False)
-    assert step.shape == StepShape(prompt_tokens=32, decode_tokens=1, sequences=2,
-                                   context_tokens=300, attention_pairs=30.0, rows=1)
+                                               [2, "c", "h", 0], [3, "d", "x", 0],
+                                               [4, "e", "d", 3]],  # recomputed or drafts
+                              generated=2), after_idle=False)
+    assert step.shape == StepShape(prompt_tokens=35, decode_tokens=1, sequences=3,
+                                   context_tokens=300, attention_pairs=30.0, rows=2)
     assert (step.time, step.seconds, step.after_idle) == (10.0, 0.05, False)
 
 

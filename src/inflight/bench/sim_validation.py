@@ -163,8 +163,6 @@ def _serving_run(url: str, classes: list[serving.RequestClass], duration: float,
                       slo_ttft, slo_tpot)
     row: dict[str, Any] = {"requests": len(specs), "real": real, "sim": sim,
                            "at_run_speed": at_speed, "during": during,
-                           "late_p50": real["overall"]["late_seconds"]["p50"],
-                           "late_p99": real["overall"]["late_seconds"]["p99"],
                            # the run's steps: end time, seconds, then the shape's fields
                            "steps": [[st.time, st.seconds, *dataclasses.astuple(st.shape)]
                                      for st in feed.steps]}
@@ -183,7 +181,7 @@ def _serving_run(url: str, classes: list[serving.RequestClass], duration: float,
 
 def _print_serving(name: str, row: dict[str, Any]) -> None:
     r, s, a = (row[k]["overall"] for k in ("real", "sim", "at_run_speed"))
-    during = row["during"]
+    during, late = row["during"], r["late_seconds"]
 
     def ms(data: dict[str, Any], metric: str) -> str:
         return f"{1000 * data[f'{metric}_seconds']['p50']:.0f} ms"
@@ -198,7 +196,7 @@ def _print_serving(name: str, row: dict[str, Any]) -> None:
           f"{100 * row['at_run_speed_throughput_error']:+.1f}%, TPOT p50 {ms(a, 'tpot')}); "
           f"between steps {1000 * during['between_steps_seconds']:.1f} ms (model "
           f"{1000 * during['model_between_steps_seconds']:.1f} ms); requests sent late by "
-          f"{1000 * row['late_p50']:.0f} ms p50, {1000 * row['late_p99']:.0f} ms p99",
+          f"{1000 * late['p50']:.0f} ms p50, {1000 * late['p99']:.0f} ms p99",
           flush=True)
 
 

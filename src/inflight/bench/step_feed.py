@@ -34,11 +34,14 @@ class ServedStep:
 
 
 def served_step(column: dict[str, Any], after_idle: bool) -> ServedStep:
-    """A feed column of one step as a ``ServedStep``."""
+    """A feed column of one step as a ``ServedStep``. As ``step_shape`` counts
+    them, a sequence's tokens are prompt-chunk tokens when it had more than one
+    to compute: a prompt chunk, and also recomputed tokens after preemption or
+    verified drafts, which the feed shows as a decode of several tokens."""
     prompt = decode = sequences = 0
     for cell in column["cells"]:
         kind, n = cell[2], cell[3]
-        if kind == "p":
+        if kind == "p" or (kind == "d" and n > 1):
             prompt += n
         elif kind == "d":
             decode += n
