@@ -53,22 +53,20 @@ from inflight.worker.runner import Runner, RunnerOutput
 
 class ShapeRecorder:
     """Wraps the engine's runner: notes the shape of every step it computes
-    (``last_shape``, and all of them in ``shapes``)."""
+    (in ``shapes``, in order)."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.num_kv_blocks = runner.num_kv_blocks
         self.num_host_blocks = runner.num_host_blocks
         self.max_model_len = runner.max_model_len
-        self.last_shape: StepShape | None = None
         self.shapes: list[StepShape] = []
 
     def move_blocks(self, out: Any) -> None:
         self.runner.move_blocks(out)
 
     def execute(self, out: Any) -> RunnerOutput:
-        self.last_shape = step_shape(out)
-        self.shapes.append(self.last_shape)
+        self.shapes.append(step_shape(out))
         return self.runner.execute(out)
 
     def __getattr__(self, name: str) -> Any:  # device, weight_bytes, ... of the real runner
@@ -91,10 +89,10 @@ def record_steps(engine: EngineCore, recorder: ShapeRecorder, prompts: list[list
                 r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running):
             engine.add_request({"prompt_token_ids": joining.pop(0)},
                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        recorder.last_shape = None
+        computed = len(recorder.shapes)
         engine.step()
-        if recorder.last_shape is not None:
-            samples.append((recorder.last_shape, engine.last_step.seconds))
+        if len(recorder.shapes) > computed:  # the step ran the model
+            samples.append((recorder.shapes[-1], engine.last_step.seconds))
     engine.reset_prefix_cache()
 
 
