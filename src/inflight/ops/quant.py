@@ -82,12 +82,17 @@ def pack_blocks(fmt: str, blocks: np.ndarray, out_features: int,
     scales = np.concatenate([scales[..., 0:2], scales[..., 2:4]], axis=2) if header == 4 else scales
     quants = padded[..., header:]
     if fmt == "q8_0":
-        body = quants.transpose(0, 1, 3, 2)  # [panel, group, k, column] int8
+        body = quants.transpose(0, 1, 3, 2)  # [panel, group, k, column]
+        halves = [body[..., :PANEL // 2], body[..., PANEL // 2:]]  # columns 0-7, 8-15
     else:
         # A block's byte i holds weight i (low nibble) and weight i + 16 (high).
         nibbles = np.concatenate([quants & 15, quants >> 4], axis=3)  # [.., column, k]
         nibbles = nibbles.transpose(0, 1, 3, 2)  # [panel, group, k, column]
-        body = nibbles[..., :PANEL // 2] | (nibbles[..., PANEL // 2:] << 4)
+        halves = [nibbles[..., :PANEL // 2] | (nibbles[..., PANEL // 2:] << 4)]
+    # Each pair of k: a half's 8 columns interleaved by k (c0k0 c0k1 c1k0 ...).
+    body = np.concatenate([h.reshape(panels, groups, BLOCK // 2, 2, PANEL // 2)
+                           .transpose(0, 1, 2, 4, 3).reshape(panels, groups, BLOCK // 2, PANEL)
+                           for h in halves], axis=3)
     data = np.concatenate([scales.reshape(panels, groups, -1), body.reshape(panels, groups, -1)],
                           axis=2)
     return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(data).reshape(-1)), None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inflight.core.sampling_params import SamplingParams
@@ -70,7 +71,7 @@ class Sampler:
 
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax(logits)
         else:
             tokens = self._sample(logits, rows, greedy)
         token_list = tokens.tolist()
@@ -83,7 +84,10 @@ class Sampler:
     def _non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
         """Rows holding NaN or infinite logits (one reduction finds them), which
         are then zeroed so that the rest of the batch samples as usual."""
-        finite = torch.isfinite(logits.sum(dim=-1))
+        if logits.device.type == "cpu":  # NumPy: a fraction of PyTorch's per-call cost
+            finite = torch.from_numpy(np.isfinite(logits.numpy().sum(axis=-1)))
+        else:
+            finite = torch.isfinite(logits.sum(dim=-1))
         if bool(finite.all()):
             return {}
         bad = (~finite).nonzero().flatten().tolist()
@@ -116,7 +120,7 @@ class Sampler:
         sampled = (probs / race).argmax(dim=-1)
         if any(greedy):
             mask = torch.tensor(greedy, device=device)
-            sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(mask, _argmax(logits), sampled)
         return sampled
 
     @staticmethod
@@ -170,6 +174,15 @@ def position_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return (z ^ (z >> 31)) >> 1
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token (the first of equal maxima). On the CPU
+    through NumPy: for one row of a 49,152-token vocabulary it took 5 us here
+    against PyTorch's 135."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def _top_k(logits: torch.Tensor, rows: list[tuple[int, int]]) -> None:
