@@ -9,7 +9,6 @@
  * governs them too. All tensors are contiguous, row-major.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -234,57 +233,51 @@ int inflight_paged_attention_f32(
             tile_start[num_tiles++] = s;
     }
     tile_start[num_tiles] = num_queries;
-    /* Too few (tile, KV head) items to keep every thread busy (a single
-     * decode): each query head of a group becomes its own item. A head's
-     * arithmetic is the same either way. */
-    const int64_t parts = num_tiles * num_kv_heads < 2 * omp_get_max_threads() ? group : 1;
-    const int64_t heads = group / parts;  /* query heads per item */
     int failed = 0;
 
-#pragma omp parallel if (num_tiles * num_kv_heads * parts > 1)
+#pragma omp parallel if (num_tiles * num_kv_heads > 1)
     {
         float *scores = NULL;
         int64_t capacity = 0;
 
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_tiles * num_kv_heads * parts; item++) {
-            const int64_t t = item / (num_kv_heads * parts), h = item / parts % num_kv_heads;
-            const int64_t part = item % parts;
-            const int64_t s0 = tile_start[t];
-            const int64_t head0 = h * group + part * heads;
-            const int count = (int)(tile_start[t + 1] - s0);
-            const float *qh[ATTENTION_TILE];
-            float *oh[ATTENTION_TILE];
-            int64_t first[ATTENTION_TILE], lens[ATTENTION_TILE];
-            for (int i = 0; i < count; i++) {
-                lens[i] = seq_lens[s0 + i];
-                first[i] = (window > 0 && lens[i] > window) ? lens[i] - window : 0;
-                qh[i] = q + (s0 + i) * q_stride + head0 * head_dim;
-                oh[i] = out + (s0 + i) * out_stride + head0 * head_dim;
-            }
-            const int64_t need = count * heads * (lens[count - 1] - first[0]);
-            if (need > capacity) {
-                float *grown = realloc(scores, (size_t)need * sizeof(float));
-                if (grown == NULL) {
-#pragma omp atomic write
-                    failed = 1;
-                    continue;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t t = 0; t < num_tiles; t++) {
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const int64_t s0 = tile_start[t];
+                const int count = (int)(tile_start[t + 1] - s0);
+                const float *qh[ATTENTION_TILE];
+                float *oh[ATTENTION_TILE];
+                int64_t first[ATTENTION_TILE], lens[ATTENTION_TILE];
+                for (int i = 0; i < count; i++) {
+                    lens[i] = seq_lens[s0 + i];
+                    first[i] = (window > 0 && lens[i] > window) ? lens[i] - window : 0;
+                    qh[i] = q + (s0 + i) * q_stride + h * group * head_dim;
+                    oh[i] = out + (s0 + i) * out_stride + h * group * head_dim;
                 }
-                scores = grown;
-                capacity = need;
+                const int64_t need = count * group * (lens[count - 1] - first[0]);
+                if (need > capacity) {
+                    float *grown = realloc(scores, (size_t)need * sizeof(float));
+                    if (grown == NULL) {
+#pragma omp atomic write
+                        failed = 1;
+                        continue;
+                    }
+                    scores = grown;
+                    capacity = need;
+                }
+                const int64_t *table = block_tables + row_tables[s0] * max_blocks;
+                const float *kh = k_cache + h * head_stride;
+                const float *vh = v_cache + h * head_stride;
+                if (head_dim == 64)
+                    attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
+                                block_stride, group, 64, scale, scores);
+                else if (head_dim == 128)
+                    attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
+                                block_stride, group, 128, scale, scores);
+                else
+                    attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
+                                block_stride, group, head_dim, scale, scores);
             }
-            const int64_t *table = block_tables + row_tables[s0] * max_blocks;
-            const float *kh = k_cache + h * head_stride;
-            const float *vh = v_cache + h * head_stride;
-            if (head_dim == 64)
-                attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
-                            block_stride, heads, 64, scale, scores);
-            else if (head_dim == 128)
-                attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
-                            block_stride, heads, 128, scale, scores);
-            else
-                attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
-                            block_stride, heads, head_dim, scale, scores);
         }
         free(scores);
     }
