@@ -151,3 +151,13 @@ def test_the_sampler_reports_non_finite_rows_and_samples_the_rest():
     out = Sampler(torch.device("cpu"), 0).sample(logits.clone(), rows)
     assert set(out.errors) == {1, 2}
     assert [out.token_ids[i] for i in (0, 3)] == [int(expected[0]), int(expected[3])]
+
+
+def test_greedy_takes_the_first_of_equal_maxima_as_torch_argmax_does():
+    """The CPU's greedy path (NumPy's argmax) breaks ties as PyTorch's does."""
+    logits = torch.zeros(3, 10)
+    logits[0, [2, 5]] = 1.0
+    logits[1, [9, 7]] = 3.0
+    rows = [SamplingRow(SamplingParams(temperature=0)) for _ in range(3)]
+    out = Sampler(torch.device("cpu"), 0).sample(logits.clone(), rows)
+    assert out.token_ids == [2, 7, 0] == logits.argmax(dim=-1).tolist()

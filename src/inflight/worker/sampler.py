@@ -85,12 +85,15 @@ class Sampler:
         """Rows holding NaN or infinite logits (one reduction finds them), which
         are then zeroed so that the rest of the batch samples as usual."""
         if logits.device.type == "cpu":  # NumPy: a fraction of PyTorch's per-call cost
-            finite = torch.from_numpy(np.isfinite(logits.numpy().sum(axis=-1)))
+            finite = np.isfinite(logits.numpy().sum(axis=-1))
+            if finite.all():
+                return {}
+            bad = np.flatnonzero(~finite).tolist()
         else:
             finite = torch.isfinite(logits.sum(dim=-1))
-        if bool(finite.all()):
-            return {}
-        bad = (~finite).nonzero().flatten().tolist()
+            if bool(finite.all()):
+                return {}
+            bad = (~finite).nonzero().flatten().tolist()
         logits[bad] = 0.0
         return {row: "the model produced non-finite logits" for row in bad}
 
