@@ -345,7 +345,9 @@ static inline __attribute__((always_inline)) void gguf_tile(
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group = panel + g * stride, *q = group + header_bytes(fmt);
         /* The hardware prefetcher alone left a decode's small matrices well
-         * short of the memory bandwidth (1.12x slower over a layer's four). */
+         * short of the memory bandwidth (1.12x slower over a layer's four).
+         * Past the last group this asks for the next panel, or for nothing
+         * (a prefetch never faults). */
         for (int64_t b = 0; b < stride; b += 64)
             __builtin_prefetch(group + GGUF_PREFETCH_GROUPS * stride + b);
         v8i t[GGUF_MR][2];
