@@ -122,6 +122,30 @@ def test_a_run_of_query_tokens_attends_as_its_decodes_would(ops, context, run, w
         assert torch.equal(alone[0], together[i])
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim, window", [(9, 3, 64, None), (8, 2, 128, None),
+                                                          (4, 1, 64, 20), (6, 2, 128, 7)])
+def test_a_lone_decode_gets_the_bits_it_gets_in_a_batch(ops, heads, kv_heads, dim, window):
+    """A decode alone (its KV heads the only work items) gets the same bits as
+    when it is one query of a batch, for each head size the kernel
+    specialises, with and without a sliding window."""
+    rng = torch.Generator().manual_seed(dim + heads)
+    block_size, num_blocks, batch = 16, 40, 6
+    cache = tuple(torch.randn(kv_heads, num_blocks, block_size, dim, generator=rng)
+                  for _ in range(2))
+    q = torch.randn(batch, heads, dim, generator=rng)
+    table = np.stack([np.random.default_rng(i).permutation(num_blocks)[:8]
+                      for i in range(batch)]).astype(np.int64)
+    lens = np.array([1, 5, 16, 17, 40, 123], np.int64)
+    batched = torch.empty(batch, heads * dim)
+    ops.paged_attention(q, batched, *cache, table, np.arange(batch, dtype=np.int64), lens,
+                        dim ** -0.5, window)
+    for i in range(batch):
+        alone = torch.empty(1, heads * dim)
+        ops.paged_attention(q[i:i + 1], alone, *cache, table, np.array([i], np.int64),
+                            lens[i:i + 1], dim ** -0.5, window)
+        assert torch.equal(alone[0], batched[i]), int(lens[i])
+
+
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "mistral-window"])
 def test_the_decoder_stack_in_one_call_matches_the_modules(tiny_model, name):
     """The C decoder stack (one call per step) computes what the model's modules
