@@ -91,9 +91,10 @@ class EngineConfig:
     # CUDA: fixed-tiling matrix products and attention splits, so that a request's
     # tokens do not depend on the rest of the batch (the CPU kernels already are).
     batch_invariant: bool = False
-    # Weight quantization (CPU, float32 activations): "int8" (per output channel),
+    # Weight quantization (CPU): "int8" (per output channel, float32 activations),
     # "q8_0", "q4_0", "q4_1" (GGUF block formats, quantized at load) or "gguf"
-    # (a GGUF model's own blocks). None: the weights in dtype.
+    # (a GGUF model's own blocks); the GGUF formats round activations to int16 per
+    # block of 32. None: the weights in dtype.
     quantization: str | None = None
     # Speculative decoding, vLLM's JSON: {"method": "ngram", "num_speculative_tokens":
     # 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}. None: off.

@@ -4,10 +4,12 @@ Formats: ``int8`` (weight-only, symmetric, one float32 scale per output
 channel) and the GGUF block formats ``q8_0``, ``q4_0`` and ``q4_1`` (blocks of
 32 weights along the input dimension, each with float16 scales). Weights are
 repacked at load into the kernels' panels of 16 output columns, keeping their
-quantized values and scales bit for bit (the C source describes the layout);
-activations stay float32. A weight comes either from a float matrix
-(``pack_weight``: int8 quantization here, the GGUF formats through the ``gguf``
-package's quantizer) or as raw GGUF blocks read from a file (``pack_blocks``).
+quantized values and scales bit for bit (the C source describes the layout).
+int8 multiplies float32 activations; the GGUF kernels round each row of
+activations to int16 per block of 32 and sum in integers. A weight comes
+either from a float matrix (``pack_weight``: int8 quantization here, the GGUF
+formats through the ``gguf`` package's quantizer) or as raw GGUF blocks read
+from a file (``pack_blocks``).
 """
 
 from __future__ import annotations
