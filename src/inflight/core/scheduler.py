@@ -64,6 +64,13 @@ PREEMPTION_MODES = ("recompute", "swap")
 Clock = Callable[[], float]
 
 
+def attention_pairs(new_tokens: int, cached_tokens: int) -> float:
+    """Query-key dot products of a sequence computing ``new_tokens`` causally
+    after ``cached_tokens`` (a decode: its context), the measure of a step's
+    attention that the cost models and the step log share."""
+    return new_tokens * (cached_tokens + (new_tokens + 1) / 2)
+
+
 @dataclass
 class SchedulerOutput:
     """One step's plan. ``requests[i]`` computes ``num_new_tokens[i]`` tokens

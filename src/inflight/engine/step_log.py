@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from inflight.core.scheduler import attention_pairs
 from inflight.engine.client import EngineLoad
 from inflight.engine.engine_core import StepStats
 
@@ -218,11 +219,11 @@ class StepLog:
                     self._release(live)
                     self._event(live, now, step, seq, "beam ended", "")
             # What the batch attended over: context tokens (each sequence's
-            # cached plus new ones) and query-key pairs (as sim.cost_model counts them).
+            # cached plus new ones) and query-key pairs.
             context = pairs = 0.0
             for n, before in zip(stats.new_tokens, stats.computed_before):
                 context += before + n
-                pairs += n * (before + (n + 1) / 2)
+                pairs += attention_pairs(n, before)
             self._steps.append({
                 "step": step, "time": now, "seconds": stats.seconds, "cells": cells,
                 "context": int(context), "pairs": pairs,

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from inflight.core.scheduler import SchedulerOutput
+from inflight.core.scheduler import SchedulerOutput, attention_pairs
 from inflight.sim.hardware import HardwareSpec, ModelShape
 
 FEATURES = ("prompt_token", "decode_token", "sequence", "context_token", "attention_pair")
@@ -84,7 +84,7 @@ def step_shape(out: SchedulerOutput) -> StepShape:
         if cached + n >= request.num_tokens:
             rows += 1 + len(request.draft_token_ids)
         context += cached + n
-        pairs += n * (cached + (n + 1) / 2)
+        pairs += attention_pairs(n, cached)
     return StepShape(prompt, decode, len(out.requests), context, pairs, rows)
 
 
