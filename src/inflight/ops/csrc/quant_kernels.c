@@ -365,6 +365,11 @@ static inline __attribute__((always_inline)) void gguf_tile(
             }
         }
         const v8f d0 = halves_to_float(group), d1 = halves_to_float(group + 16);
+        v8f m0 = {0}, m1 = {0};
+        if (fmt == QUANT_Q4_1) {
+            m0 = halves_to_float(group + 32);
+            m1 = halves_to_float(group + 48);
+        }
         for (int r = 0; r < rows; r++) {
             const int64_t i = (row0 + r) * groups + g;
             if (fmt == QUANT_Q4_0) {
@@ -374,8 +379,8 @@ static inline __attribute__((always_inline)) void gguf_tile(
             acc[r][0] += d0 * qr->dx[i] * to_float(t[r][0]);
             acc[r][1] += d1 * qr->dx[i] * to_float(t[r][1]);
             if (fmt == QUANT_Q4_1) {
-                acc[r][0] += halves_to_float(group + 32) * qr->xsum[i];
-                acc[r][1] += halves_to_float(group + 48) * qr->xsum[i];
+                acc[r][0] += m0 * qr->xsum[i];
+                acc[r][1] += m1 * qr->xsum[i];
             }
         }
     }
