@@ -43,6 +43,36 @@ def test_add_rms_norm_and_silu(ops):
     assert torch.allclose(TorchOps().silu_and_mul(gate_up), ops.silu_and_mul(gate_up), atol=1e-6)
 
 
+def test_silu_and_mul_over_the_whole_range(ops):
+    """The vectorised sigmoid (from exp(-|g|)) against float64, down to where
+    float32 underflows and far past where exp(-g) would overflow."""
+    gate = torch.cat([torch.linspace(-120, 120, 4001), torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    gate_up = torch.cat([gate, torch.randn(gate.numel())]).reshape(1, -1)
+    got = ops.silu_and_mul(gate_up)[0].double()
+    g, up = gate_up[0, :gate.numel()].double(), gate_up[0, gate.numel():].double()
+    expected = g * torch.sigmoid(g) * up
+    normal = expected.abs() > 1e-30  # float32's normal range, less its last bits
+    torch.testing.assert_close(got[normal], expected[normal], rtol=1e-6, atol=0)
+    assert got[~normal].abs().max() < 1e-30 and torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("n,k", [(48, 64), (37, 200), (960, 576)])
+def test_linear_matches_float64_and_a_row_keeps_its_bits_in_any_batch(ops, n, k):
+    """Every row count splits into different tiles (13 rows: 5 + 4 + 4); a
+    row's result must not depend on which tile, or which batch, it lands in."""
+    torch.manual_seed(n + k)
+    w, bias = torch.randn(n, k), torch.randn(n)
+    packed = ops.pack_weight(w)
+    x = torch.randn(40, k)
+    together = ops.linear(x, packed, bias, n)
+    expected = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(together.double(), expected, rtol=1e-5, atol=1e-4)
+    for size in range(1, 20):
+        for start in range(0, 40 - size + 1, size):
+            part = ops.linear(x[start:start + size], packed, bias, n)
+            assert torch.equal(part, together[start:start + size]), (size, start)
+
+
 def _mixed_layout(rng, batch, block_size, num_blocks):
     context = rng.integers(0, 200, batch)
     query = np.where(rng.random(batch) < 0.7, 1, rng.integers(2, 30, batch))

@@ -313,7 +313,8 @@ void inflight_linear_f32(const float *x, const float *packed, const float *bias,
     for (int64_t p = 0; p < panels; p++) {
         const int64_t col = p * LINEAR_NR;
         linear_panel(x, m, k, packed + p * k * LINEAR_NR, NULL, bias, y, n, col,
-                     n - col < LINEAR_NR ? n - col : LINEAR_NR);
+                     n - col < LINEAR_NR ? n - col : LINEAR_NR,
+                     p + 1 < panels ? packed + (p + 1) * k * LINEAR_NR : NULL);
     }
 }
 
@@ -392,7 +393,14 @@ void inflight_silu_and_mul_f32(const float *x, float *out, int64_t num_tokens, i
         const float *gate = x + t * 2 * size;
         const float *up = gate + size;
         float *ot = out + t * size;
-        for (int64_t i = 0; i < size; i++)
-            ot[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+#pragma omp simd
+        for (int64_t i = 0; i < size; i++) {
+            /* sigmoid from exp(-|g|), which cannot overflow; libm's expf
+             * would be a scalar call per element (most of a batched step's
+             * time outside the matrix products). */
+            const float g = gate[i], e = exp_nonpositive(-fabsf(g));
+            const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+            ot[i] = g * sigmoid * up[i];
+        }
     }
 }

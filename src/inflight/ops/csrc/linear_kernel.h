@@ -57,15 +57,19 @@ static inline __attribute__((always_inline)) void store_block(
     }
 }
 
-/* Rows 0..rows-1 of x (K floats each) against one float32 panel. */
+/* Rows 0..rows-1 of x (K floats each) against one float32 panel; every
+ * `spacing`-th k also prefetches the next line from `prefetch` (or NULL). */
 static inline __attribute__((always_inline)) void linear_block(
     const float *x, int64_t k, const float *panel, const float *scale, const float *bias,
-    float *y, int64_t n, int64_t col, int64_t cols, int rows)
+    float *y, int64_t n, int64_t col, int64_t cols, int rows, const float *prefetch,
+    int64_t spacing)
 {
     v8f acc[LINEAR_MR][2];
     for (int r = 0; r < LINEAR_MR; r++)
         acc[r][0] = acc[r][1] = (v8f){0};
     for (int64_t kk = 0; kk < k; kk++) {
+        if (prefetch && (kk & (spacing - 1)) == 0)
+            __builtin_prefetch(prefetch + (kk / spacing) * LINEAR_NR, 0, 3);
         const v8f w0 = *(const v8f *)(panel + kk * LINEAR_NR);
         const v8f w1 = *(const v8f *)(panel + kk * LINEAR_NR + 8);
         for (int r = 0; r < rows; r++) {
@@ -77,24 +81,37 @@ static inline __attribute__((always_inline)) void linear_block(
     store_block(acc, rows, scale, bias, y, n, col, cols);
 }
 
-/* All M rows against one float32 panel: blocks of LINEAR_MR rows, then the
- * tail with a constant row count, so that each tail is unrolled too. */
+/* All M rows against one float32 panel, in ceil(M / LINEAR_MR) tiles of
+ * near-equal row counts (8 rows: 4 + 4, not 6 + 2: a tile of one or two rows
+ * is bound by its weight loads), each row count a constant so that its loop is
+ * unrolled.
+ *
+ * `next` (or NULL) is the panel the thread takes next: each tile prefetches
+ * its share of it, so that memory keeps streaming while the later tiles
+ * re-read this panel from cache (without it, a dozen rows cost the memory time
+ * plus the arithmetic, not the larger of the two). */
 static inline __attribute__((always_inline)) void linear_panel(
     const float *x, int64_t m, int64_t k, const float *panel, const float *scale,
-    const float *bias, float *y, int64_t n, int64_t col, int64_t cols)
+    const float *bias, float *y, int64_t n, int64_t col, int64_t cols, const float *next)
 {
+    const int64_t tiles = (m + LINEAR_MR - 1) / LINEAR_MR;
+    int64_t spacing = 1;  /* iterations between prefetches: a power of two >= tiles */
+    while (spacing < tiles)
+        spacing *= 2;
     int64_t row = 0;
-    for (; row + LINEAR_MR <= m; row += LINEAR_MR)
-        linear_block(x + row * k, k, panel, scale, bias, y + row * n, n, col, cols, LINEAR_MR);
-    const float *xr = x + row * k;
-    float *yr = y + row * n;
-    switch (m - row) {
-    case 5: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 5); break;
-    case 4: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 4); break;
-    case 3: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 3); break;
-    case 2: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 2); break;
-    case 1: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 1); break;
-    default: break;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int rows = (int)(m / tiles + (t < m % tiles));
+        const float *xr = x + row * k, *pf = next ? next + t * (k / spacing) * LINEAR_NR : NULL;
+        float *yr = y + row * n;
+        switch (rows) {
+        case 6: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 6, pf, spacing); break;
+        case 5: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 5, pf, spacing); break;
+        case 4: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 4, pf, spacing); break;
+        case 3: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 3, pf, spacing); break;
+        case 2: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 2, pf, spacing); break;
+        default: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 1, pf, spacing); break;
+        }
+        row += rows;
     }
 }
 

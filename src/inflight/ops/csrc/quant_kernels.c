@@ -211,7 +211,7 @@ static void int8_unit(const float *x, int64_t m, int64_t k, const uint8_t *panel
             widen_int8(panel, kk, (v8f *)(wide + kk * LINEAR_NR),
                        (v8f *)(wide + kk * LINEAR_NR + 8));
         linear_panel(x, m, k, wide, scale, bias, y, n, col,
-                     n - col < LINEAR_NR ? n - col : LINEAR_NR);
+                     n - col < LINEAR_NR ? n - col : LINEAR_NR, NULL);
         return;
     }
     if (m == 1 && count == 4) {
