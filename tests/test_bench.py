@@ -12,6 +12,7 @@ from inflight.bench.workloads import BenchRequest, from_file, parse_length, synt
 from inflight.cli import main
 from inflight.config import EngineConfig
 from inflight.engine.factory import build_engine_core
+from inflight.ops.cpu_ops import load_library
 
 
 def test_synthetic_workloads_follow_their_recipes():
@@ -115,6 +116,10 @@ def test_cli_throughput_and_sweep(tiny_model, tmp_path, capsys):
                  "--kv-cache-memory", "16MiB", "--repeat", "2", "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert len(report["results"]) == 4 and report["roofline"]["best_percent"] > 0
+    # The roofline's FLOP/s: the faster of PyTorch's product and the C kernels' own.
+    by_kernel = report["roofline"]["matmul_flops_by_kernel"]
+    assert set(by_kernel) == ({"torch", "inflight"} if load_library() else {"torch"})
+    assert report["roofline"]["matmul_flops"] == max(by_kernel.values())
     repeats = report["repeat"]["output_tokens_per_second"]  # each row: the fastest of its runs
     assert len(repeats) == 4 and all(len(runs) == 2 for runs in repeats.values())
     for r in report["results"]:

@@ -17,6 +17,7 @@ from inflight.bench.profiler import StepProfiler
 from inflight.bench.workloads import BenchRequest
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.engine_core import EngineCore
+from inflight.ops.cpu_ops import CpuOps
 from inflight.spec_decode.speculator import SpecStats
 
 
@@ -282,17 +283,26 @@ def _hf_generate_batch(model: torch.nn.Module, batch: list[BenchRequest], ignore
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 2048,
-                 repeats: int = 5) -> float:
-    """Best FLOP/s of a ``size``-cubed matrix product on this device."""
+                 repeats: int = 5, ops: CpuOps | None = None) -> float:
+    """Best FLOP/s of a ``size``-cubed matrix product on this device: PyTorch's,
+    or with ``ops`` the C kernels' packed one (float32, CPU)."""
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
+    if ops is not None:
+        packed = ops.pack_weight(b)
+
+        def product() -> Any:
+            return ops.linear(a, packed, None, size)
+    else:
+        def product() -> Any:
+            return a @ b
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b
+    product()
     best = float("inf")
     for _ in range(repeats):
         sync()
         start = time.perf_counter()
-        a @ b
+        product()
         sync()
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best
