@@ -34,6 +34,23 @@ static inline float exp_nonpositive(float x)
     return p * two_n.f;
 }
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* Lane j: hsum8(a[j]), added in the same order, for 8 vectors at once (the
+ * halves of each added first, then pairs, as hsum8 does). */
+static inline __attribute__((always_inline)) v8f hsum8_each(const v8f a[8])
+{
+    const v8i lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
+    const v8i even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+    v8f h[4];  /* h[j] = [a[j] halves added | a[j + 4] halves added] */
+    for (int j = 0; j < 4; j++)
+        h[j] = __builtin_shuffle(a[j], a[j + 4], lo) + __builtin_shuffle(a[j], a[j + 4], hi);
+    /* pairs within each half: [h0 pairs, h1 pairs | h4 pairs, h5 pairs], ... */
+    const v8f p01 = __builtin_shuffle(h[0], h[1], even) + __builtin_shuffle(h[0], h[1], odd);
+    const v8f p23 = __builtin_shuffle(h[2], h[3], even) + __builtin_shuffle(h[2], h[3], odd);
+    return __builtin_shuffle(p01, p23, even) + __builtin_shuffle(p01, p23, odd);
+}
+
 /* scores[i * stride] = scale * q . k_i for `count` keys `head_dim` floats apart.
  * Eight keys at a time keep eight independent multiply-add chains in flight;
  * each key's dot product is computed the same way wherever it falls. */
@@ -51,8 +68,9 @@ static inline __attribute__((always_inline)) void dot_keys(
                 for (int j = 0; j < 8; j++)
                     a[j] += qv * *(const v8f *)(k0 + j * head_dim + d);
             }
+            const v8f sums = hsum8_each(a) * scale;
             for (int j = 0; j < 8; j++)
-                scores[(i + j) * stride] = hsum8(a[j]) * scale;
+                scores[(i + j) * stride] = sums[j];
         }
         /* The rest one key at a time, with the same arithmetic per key: a
          * key's score never depends on how many keys were asked for. */
@@ -157,20 +175,32 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
     float inv_sum[ATTENTION_TILE * 16];  /* group <= 16: checked by the caller */
     for (int i = 0; i < count; i++) {
+        const int64_t n = lens[i] - first[i];
         for (int64_t g = 0; g < group; g++) {
             float *row = scores + (i * group + g) * span + (first[i] - lo_all);
-            const int64_t n = lens[i] - first[i];
-            float max = -INFINITY;
+            float max = -INFINITY;  /* the same whatever the order: vectorised */
+#pragma omp simd reduction(max:max)
             for (int64_t t = 0; t < n; t++)
                 max = row[t] > max ? row[t] : max;
 #pragma omp simd
             for (int64_t t = 0; t < n; t++)
                 row[t] = exp_nonpositive(row[t] - max);
-            float sum = 0.0f;
-            for (int64_t t = 0; t < n; t++)
-                sum += row[t];
-            inv_sum[i * group + g] = 1.0f / sum;
             memset(oh[i] + g * head_dim, 0, (size_t)head_dim * sizeof(float));
+        }
+        /* Each row's sum in key order (its bits must not depend on the tile),
+         * four rows' chains interleaved so that they do not wait on each
+         * other's additions. */
+        for (int64_t g = 0; g < group; g += 4) {
+            const float *rows[4];
+            for (int j = 0; j < 4; j++)
+                rows[j] = scores + (i * group + (g + j < group ? g + j : g)) * span +
+                          (first[i] - lo_all);
+            float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int64_t t = 0; t < n; t++)
+                for (int j = 0; j < 4; j++)
+                    sums[j] += rows[j][t];
+            for (int j = 0; j < 4 && g + j < group; j++)
+                inv_sum[i * group + g + j] = 1.0f / sums[j];
         }
     }
     for (int64_t b = first_block; b <= last_block; b++) {
