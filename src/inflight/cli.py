@@ -281,6 +281,23 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--output-json", default=None)
     pk.set_defaults(func=_bench_packing)
 
+    kn = bench.add_parser("kernels", help="the CPU float32 kernels alone (linear layers, decode "
+                                          "and prompt attention) against the memory bandwidth")
+    kn.add_argument("--model", default=None,
+                    help="whose shapes (its config.json; default: the shipped model)")
+    kn.add_argument("--rows", default="1,4,12,16,32,64",
+                    help="comma list of row counts for the linear layers (empty: skip)")
+    kn.add_argument("--decode", default="1x700,12x300,64x700",
+                    help="comma list of SEQSxCONTEXT decode attention shapes (empty: skip)")
+    kn.add_argument("--prompt", default="4x512",
+                    help="comma list of SEQSxPROMPT prompt attention shapes (empty: skip)")
+    kn.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    kn.add_argument("--repeats", type=int, default=5, help="passes per figure (the best kept)")
+    kn.add_argument("--num-threads", type=int, default=None,
+                    help="threads (default: PyTorch's, one per core)")
+    kn.add_argument("--output-json", default=None)
+    kn.set_defaults(func=_bench_kernels)
+
     sw = bench.add_parser("sweep", help="continuous vs static over batch sizes, with plots")
     _add_bench_args(sw)
     sw.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
@@ -445,6 +462,12 @@ def _bench_packing(args: argparse.Namespace) -> int:
     from inflight.bench import packing
 
     return packing.command(args)
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    from inflight.bench import kernels
+
+    return kernels.command(args)
 
 
 def _bench_sweep(args: argparse.Namespace) -> int:

@@ -1,0 +1,202 @@
+"""``inflight bench kernels``: the CPU float32 kernels alone, against this
+machine's memory read bandwidth.
+
+A step's profile says how long the linear layers or the attention took, not
+how close each came to what the machine allows. This measures, on random data
+of the model's shapes (its ``config.json`` only; no weights are loaded):
+
+- ``read``: the memory read bandwidth, a ``torch.sum`` over 1 GiB on every
+  thread (best of 7), what the memory-bound figures are held against;
+- ``linear``: one pass through the decoder's linear layers (every layer's
+  q/k/v, output, gate/up and down matrices, packed as the engine packs them)
+  with ``m`` rows, as weight bytes per second and FLOP/s;
+- ``decode attention``: ``S`` sequences of ``C`` cached tokens, one query each,
+  over every layer's paged cache with the blocks in a random order, as K/V
+  bytes read per second;
+- ``prompt attention``: ``S`` prompts of ``P`` tokens attended as one chunk
+  each (causal), as FLOP/s (4 x head_dim x heads per query-key pair).
+
+Each figure is the best of ``--repeats`` passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from inflight.model.config import ModelConfig
+from inflight.model.loader import read_model_config, resolve_model_dir
+from inflight.ops.cpu_ops import CpuOps, load_library
+
+
+@dataclass
+class KernelResult:
+    kernel: str          # read, linear, decode attention, prompt attention
+    shape: str           # e.g. "m=12", "12x300"
+    seconds: float       # best pass
+    bytes: float         # memory the pass must read (0: not memory-bound)
+    flops: float
+
+    @property
+    def gb_per_second(self) -> float:
+        return self.bytes / self.seconds / 1e9
+
+    @property
+    def gflops(self) -> float:
+        return self.flops / self.seconds / 1e9
+
+
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> KernelResult:
+    x = torch.ones(nbytes // 4)
+    return KernelResult("read", "1 GiB", best_seconds(x.sum, repeats), nbytes, 0.0)
+
+
+def decoder_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(out_features, in_features) of each decoder layer's fused matrices."""
+    d = cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+    return [(qkv, cfg.hidden_size), (cfg.hidden_size, cfg.num_attention_heads * d),
+            (2 * cfg.intermediate_size, cfg.hidden_size),
+            (cfg.hidden_size, cfg.intermediate_size)] * cfg.num_hidden_layers
+
+
+def linear(ops: CpuOps, cfg: ModelConfig, rows: list[int], repeats: int) -> list[KernelResult]:
+    shapes = decoder_shapes(cfg)
+    packed = [(n, ops.pack_weight(torch.randn(n, k))) for n, k in shapes]
+    nbytes = sum(p.numel() * 4 for _, p in packed)
+    flops_per_row = sum(2 * n * k for n, k in shapes)
+    widest = max(k for _, k in shapes)
+    results = []
+    for m in rows:
+        x = torch.randn(m, widest)
+        inputs = {k: x[:, :k].contiguous() for _, k in shapes}
+
+        def one_pass() -> None:
+            for (n, k), (_, w) in zip(shapes, packed):
+                ops.linear(inputs[k], w, None, n)
+        results.append(KernelResult("linear", f"m={m}", best_seconds(one_pass, repeats),
+                                    nbytes, m * flops_per_row))
+    return results
+
+
+def _caches(cfg: ModelConfig, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, ...]]:
+    shape = (cfg.num_key_value_heads, num_blocks, block_size, cfg.head_dim)
+    return [(torch.randn(shape), torch.randn(shape)) for _ in range(cfg.num_hidden_layers)]
+
+
+def _attention_pass(ops: CpuOps, cfg: ModelConfig, caches: list[tuple[torch.Tensor, ...]],
+                    tables: np.ndarray, row_tables: np.ndarray,
+                    seq_lens: np.ndarray) -> Callable[[], None]:
+    heads, d = cfg.num_attention_heads, cfg.head_dim
+    q = torch.randn(len(seq_lens), heads, d)
+    out = torch.empty(len(seq_lens), heads * d)
+    scale = d ** -0.5
+
+    def one_pass() -> None:
+        for k_cache, v_cache in caches:
+            ops.paged_attention(q, out, k_cache, v_cache, tables, row_tables, seq_lens, scale,
+                                None)
+    return one_pass
+
+
+def _scattered_tables(seqs: int, blocks_per_seq: int, seed: int) -> tuple[np.ndarray, int]:
+    """Each sequence's blocks, drawn in a random order from the whole cache."""
+    num_blocks = seqs * blocks_per_seq
+    order = np.random.default_rng(seed).permutation(num_blocks)
+    return np.ascontiguousarray(order.reshape(seqs, blocks_per_seq).astype(np.int64)), num_blocks
+
+
+def decode_attention(ops: CpuOps, cfg: ModelConfig, seqs: int, context: int, block_size: int,
+                     repeats: int) -> KernelResult:
+    tables, num_blocks = _scattered_tables(seqs, -(-context // block_size), seed=seqs)
+    caches = _caches(cfg, num_blocks, block_size)
+    seq_lens = np.full(seqs, context, dtype=np.int64)
+    one_pass = _attention_pass(ops, cfg, caches, tables, np.arange(seqs, dtype=np.int64),
+                               seq_lens)
+    kv_bytes = 2 * seqs * context * cfg.num_key_value_heads * cfg.head_dim * 4
+    flops = 4 * seqs * context * cfg.num_attention_heads * cfg.head_dim
+    return KernelResult("decode attention", f"{seqs}x{context}", best_seconds(one_pass, repeats),
+                        kv_bytes * cfg.num_hidden_layers, flops * cfg.num_hidden_layers)
+
+
+def prompt_attention(ops: CpuOps, cfg: ModelConfig, seqs: int, prompt: int, block_size: int,
+                     repeats: int) -> KernelResult:
+    tables, num_blocks = _scattered_tables(seqs, -(-prompt // block_size), seed=seqs)
+    caches = _caches(cfg, num_blocks, block_size)
+    seq_lens = np.tile(np.arange(1, prompt + 1, dtype=np.int64), seqs)
+    row_tables = np.repeat(np.arange(seqs, dtype=np.int64), prompt)
+    one_pass = _attention_pass(ops, cfg, caches, tables, row_tables, seq_lens)
+    flops = 4 * int(seq_lens.sum()) * cfg.num_attention_heads * cfg.head_dim
+    return KernelResult("prompt attention", f"{seqs}x{prompt}", best_seconds(one_pass, repeats),
+                        0.0, flops * cfg.num_hidden_layers)
+
+
+def _shapes(text: str, option: str) -> list[tuple[int, int]]:
+    pairs = []
+    for item in filter(None, text.split(",")):
+        a, sep, b = item.partition("x")
+        if not (sep and a.isdigit() and b.isdigit() and int(a) > 0 and int(b) > 0):
+            raise ValueError(f"{option} takes SEQSxTOKENS items such as 12x300, got {item!r}")
+        pairs.append((int(a), int(b)))
+    return pairs
+
+
+def _rows(text: str) -> list[int]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not all(item.isdigit() and int(item) > 0 for item in items):
+        raise ValueError(f"--rows takes a comma list of positive row counts, got {text!r}")
+    return [int(item) for item in items]
+
+
+def command(args: argparse.Namespace) -> int:
+    rows = _rows(args.rows)
+    decodes = _shapes(args.decode, "--decode")
+    prompts = _shapes(args.prompt, "--prompt")
+    if args.block_size < 1 or args.repeats < 1:
+        raise ValueError("--block-size and --repeats must be at least 1")
+    lib = load_library()
+    if lib is None:
+        raise ValueError("bench kernels needs the C kernels, which could not be built here")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    ops = CpuOps(lib)
+    cfg = read_model_config(resolve_model_dir(args.model))
+    results = [read_bandwidth()]
+    results += linear(ops, cfg, rows, args.repeats)
+    results += [decode_attention(ops, cfg, s, c, args.block_size, args.repeats)
+                for s, c in decodes]
+    results += [prompt_attention(ops, cfg, s, p, args.block_size, args.repeats)
+                for s, p in prompts]
+    bandwidth = results[0].gb_per_second
+    print(f"{torch.get_num_threads()} threads, block size {args.block_size}, "
+          f"{cfg.num_hidden_layers} layers per pass")
+    print(f"{'kernel':18} {'shape':>9} {'ms':>9} {'GB/s':>7} {'of read':>8} {'GFLOP/s':>8}")
+    for r in results:
+        memory = (f"{r.gb_per_second:7.1f} {100 * r.gb_per_second / bandwidth:7.0f}%"
+                  if r.bytes else f"{'-':>7} {'-':>8}")
+        gflops = f"{r.gflops:8.1f}" if r.flops else f"{'-':>8}"
+        print(f"{r.kernel:18} {r.shape:>9} {1e3 * r.seconds:9.2f} {memory} {gflops}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"threads": torch.get_num_threads(), "block_size": args.block_size,
+                       "results": [asdict(r) | {"gb_per_second": r.gb_per_second,
+                                                "gflops": r.gflops} for r in results]},
+                      f, indent=2)
+        print(f"wrote {args.output_json}")
+    return 0
