@@ -168,8 +168,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int64_t blocks = last_block - first_block + 1;
 #define NEXT_BLOCK(j) ((j) < blocks ? kh + table[first_block + (j)] * block_stride : \
                        vh + table[first_block + (j) - blocks] * block_stride)
-    for (int64_t g = 0; g < group; g++)
-        prefetch_part(NEXT_BLOCK(0), block_stride, g, group);
+    prefetch_part(NEXT_BLOCK(0), block_stride, 0, 1);
 
     /* scores of each (query, head) for the keys it sees, in its own row */
     for (int64_t b = first_block; b <= last_block; b++) {
