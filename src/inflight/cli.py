@@ -291,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of SEQSxCONTEXT decode attention shapes (empty: skip)")
     kn.add_argument("--prompt", default="4x512",
                     help="comma list of SEQSxPROMPT prompt attention shapes (empty: skip)")
+    kn.add_argument("--block-order", default="random,in order",
+                    help="comma list of how each decode sequence's blocks lie in the cache: "
+                         "random (a long-running server's) and/or in order (a fresh engine's)")
     kn.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     kn.add_argument("--repeats", type=int, default=5, help="passes per figure (the best kept)")
     kn.add_argument("--num-threads", type=int, default=None,

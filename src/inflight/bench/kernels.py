@@ -11,10 +11,13 @@ of the model's shapes (its ``config.json`` only; no weights are loaded):
   q/k/v, output, gate/up and down matrices, packed as the engine packs them)
   with ``m`` rows, as weight bytes per second and FLOP/s;
 - ``decode attention``: ``S`` sequences of ``C`` cached tokens, one query each,
-  over every layer's paged cache with the blocks in a random order, as K/V
-  bytes read per second;
+  over every layer's paged cache, as K/V bytes read per second, with each
+  sequence's blocks ``random`` (drawn in a random order from the whole cache,
+  as a long-running server's free list leaves them) or ``in order`` (one
+  after another, as a fresh engine hands out a prompt's blocks);
 - ``prompt attention``: ``S`` prompts of ``P`` tokens attended as one chunk
-  each (causal), as FLOP/s (4 x head_dim x heads per query-key pair).
+  each (causal), its blocks random, as FLOP/s (4 x head_dim x heads per
+  query-key pair).
 
 Each figure is the best of ``--repeats`` passes.
 """
@@ -35,10 +38,13 @@ from inflight.model.loader import read_model_config, resolve_model_dir
 from inflight.ops.cpu_ops import CpuOps, load_library
 
 
+BLOCK_ORDERS = ("random", "in order")
+
+
 @dataclass
 class KernelResult:
     kernel: str          # read, linear, decode attention, prompt attention
-    shape: str           # e.g. "m=12", "12x300"
+    shape: str           # e.g. "m=12", "12x300 random"
     seconds: float       # best pass
     bytes: float         # memory the pass must read (0: not memory-bound)
     flops: float
@@ -115,29 +121,33 @@ def _attention_pass(ops: CpuOps, cfg: ModelConfig, caches: list[tuple[torch.Tens
     return one_pass
 
 
-def _scattered_tables(seqs: int, blocks_per_seq: int, seed: int) -> tuple[np.ndarray, int]:
-    """Each sequence's blocks, drawn in a random order from the whole cache."""
+def _block_tables(seqs: int, blocks_per_seq: int, order: str,
+                  seed: int) -> tuple[np.ndarray, int]:
+    """Each sequence's blocks: drawn in a random order from the whole cache,
+    or one after another."""
     num_blocks = seqs * blocks_per_seq
-    order = np.random.default_rng(seed).permutation(num_blocks)
-    return np.ascontiguousarray(order.reshape(seqs, blocks_per_seq).astype(np.int64)), num_blocks
+    ids = (np.random.default_rng(seed).permutation(num_blocks) if order == "random"
+           else np.arange(num_blocks))
+    return np.ascontiguousarray(ids.reshape(seqs, blocks_per_seq).astype(np.int64)), num_blocks
 
 
 def decode_attention(ops: CpuOps, cfg: ModelConfig, seqs: int, context: int, block_size: int,
-                     repeats: int) -> KernelResult:
-    tables, num_blocks = _scattered_tables(seqs, -(-context // block_size), seed=seqs)
+                     order: str, repeats: int) -> KernelResult:
+    tables, num_blocks = _block_tables(seqs, -(-context // block_size), order, seed=seqs)
     caches = _caches(cfg, num_blocks, block_size)
     seq_lens = np.full(seqs, context, dtype=np.int64)
     one_pass = _attention_pass(ops, cfg, caches, tables, np.arange(seqs, dtype=np.int64),
                                seq_lens)
     kv_bytes = 2 * seqs * context * cfg.num_key_value_heads * cfg.head_dim * 4
     flops = 4 * seqs * context * cfg.num_attention_heads * cfg.head_dim
-    return KernelResult("decode attention", f"{seqs}x{context}", best_seconds(one_pass, repeats),
-                        kv_bytes * cfg.num_hidden_layers, flops * cfg.num_hidden_layers)
+    return KernelResult("decode attention", f"{seqs}x{context} {order}",
+                        best_seconds(one_pass, repeats), kv_bytes * cfg.num_hidden_layers,
+                        flops * cfg.num_hidden_layers)
 
 
 def prompt_attention(ops: CpuOps, cfg: ModelConfig, seqs: int, prompt: int, block_size: int,
                      repeats: int) -> KernelResult:
-    tables, num_blocks = _scattered_tables(seqs, -(-prompt // block_size), seed=seqs)
+    tables, num_blocks = _block_tables(seqs, -(-prompt // block_size), "random", seed=seqs)
     caches = _caches(cfg, num_blocks, block_size)
     seq_lens = np.tile(np.arange(1, prompt + 1, dtype=np.int64), seqs)
     row_tables = np.repeat(np.arange(seqs, dtype=np.int64), prompt)
@@ -164,9 +174,18 @@ def _rows(text: str) -> list[int]:
     return [int(item) for item in items]
 
 
+def _orders(text: str) -> list[str]:
+    orders = [item.strip() for item in text.split(",") if item.strip()]
+    if not orders or not set(orders) <= set(BLOCK_ORDERS):
+        raise ValueError(f"--block-order takes a comma list of {' and '.join(BLOCK_ORDERS)}, "
+                         f"got {text!r}")
+    return orders
+
+
 def command(args: argparse.Namespace) -> int:
     rows = _rows(args.rows)
     decodes = _shapes(args.decode, "--decode")
+    orders = _orders(args.block_order)
     prompts = _shapes(args.prompt, "--prompt")
     if args.block_size < 1 or args.repeats < 1:
         raise ValueError("--block-size and --repeats must be at least 1")
@@ -179,19 +198,19 @@ def command(args: argparse.Namespace) -> int:
     cfg = read_model_config(resolve_model_dir(args.model))
     results = [read_bandwidth()]
     results += linear(ops, cfg, rows, args.repeats)
-    results += [decode_attention(ops, cfg, s, c, args.block_size, args.repeats)
-                for s, c in decodes]
+    results += [decode_attention(ops, cfg, s, c, args.block_size, order, args.repeats)
+                for s, c in decodes for order in orders]
     results += [prompt_attention(ops, cfg, s, p, args.block_size, args.repeats)
                 for s, p in prompts]
     bandwidth = results[0].gb_per_second
     print(f"{torch.get_num_threads()} threads, block size {args.block_size}, "
           f"{cfg.num_hidden_layers} layers per pass")
-    print(f"{'kernel':18} {'shape':>9} {'ms':>9} {'GB/s':>7} {'of read':>8} {'GFLOP/s':>8}")
+    print(f"{'kernel':18} {'shape':>16} {'ms':>9} {'GB/s':>7} {'of read':>8} {'GFLOP/s':>8}")
     for r in results:
         memory = (f"{r.gb_per_second:7.1f} {100 * r.gb_per_second / bandwidth:7.0f}%"
                   if r.bytes else f"{'-':>7} {'-':>8}")
         gflops = f"{r.gflops:8.1f}" if r.flops else f"{'-':>8}"
-        print(f"{r.kernel:18} {r.shape:>9} {1e3 * r.seconds:9.2f} {memory} {gflops}")
+        print(f"{r.kernel:18} {r.shape:>16} {1e3 * r.seconds:9.2f} {memory} {gflops}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "block_size": args.block_size,
