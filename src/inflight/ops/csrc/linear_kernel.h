@@ -17,6 +17,8 @@
 
 #define LINEAR_NR 16
 #define LINEAR_MR 6
+/* Rows from which a panel's tiles prefetch the next panel (see linear_panel). */
+#define LINEAR_PREFETCH_ROWS 4
 
 /* 8 floats; loads and stores through it may be unaligned. */
 typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
@@ -86,15 +88,19 @@ static inline __attribute__((always_inline)) void linear_block(
  * is bound by its weight loads), each row count a constant so that its loop is
  * unrolled.
  *
- * `next` (or NULL) is the panel the thread takes next: each tile prefetches
- * its share of it, so that memory keeps streaming while the later tiles
- * re-read this panel from cache (without it, a dozen rows cost the memory time
- * plus the arithmetic, not the larger of the two). */
+ * `next` (or NULL) is the panel the thread takes next: from
+ * LINEAR_PREFETCH_ROWS rows on, each tile prefetches its share of it, so that
+ * memory keeps streaming while the arithmetic runs (without it, a dozen rows
+ * cost the memory time plus the arithmetic, not the larger of the two). With
+ * fewer rows the arithmetic is short and the panels go by as one contiguous
+ * stream; asked for as well, one row's weights read about a tenth slower. */
 static inline __attribute__((always_inline)) void linear_panel(
     const float *x, int64_t m, int64_t k, const float *panel, const float *scale,
     const float *bias, float *y, int64_t n, int64_t col, int64_t cols, const float *next)
 {
     const int64_t tiles = (m + LINEAR_MR - 1) / LINEAR_MR;
+    if (m < LINEAR_PREFETCH_ROWS)
+        next = NULL;
     int64_t spacing = 1;  /* iterations between prefetches: a power of two >= tiles */
     while (spacing < tiles)
         spacing *= 2;
