@@ -38,6 +38,7 @@ import numpy as np
 from inflight.bench import serving
 from inflight.bench.server_process import ServerProcess
 from inflight.bench.step_feed import StepFeed, between_steps, measured_against
+from inflight.bench.timing import best_seconds
 from inflight.bench.workloads import synthetic
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
@@ -143,12 +144,7 @@ def copy_bandwidth(megabytes: int = 64) -> float:
     """Bytes per second of a large in-memory copy (best of five)."""
     src = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
     dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return src.nbytes / best
+    return src.nbytes / best_seconds(lambda: np.copyto(dst, src), 5)
 
 
 SERVING_RUNS = ((0.3, 7), (0.7, 8))  # (share of the predicted capacity, seed)

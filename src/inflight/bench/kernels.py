@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
+from inflight.bench.timing import best_seconds
 from inflight.model.config import ModelConfig
 from inflight.model.loader import read_model_config, resolve_model_dir
 from inflight.ops.cpu_ops import CpuOps, load_library
@@ -56,16 +56,6 @@ class KernelResult:
     @property
     def gflops(self) -> float:
         return self.flops / self.seconds / 1e9
-
-
-def best_seconds(run: Callable[[], object], repeats: int) -> float:
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> KernelResult:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from inflight.bench.profiler import StepProfiler
+from inflight.bench.timing import best_seconds
 from inflight.bench.workloads import BenchRequest
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.engine_core import EngineCore
@@ -297,12 +298,8 @@ def matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size:
         def product() -> Any:
             return a @ b
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    product()
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
+
+    def timed() -> None:
         product()
         sync()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
+    return 2 * size ** 3 / best_seconds(timed, repeats)
