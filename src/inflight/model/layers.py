@@ -47,6 +47,10 @@ class Linear(nn.Module):
     def packed(self) -> Any:
         return self._packed
 
+    def move_packed(self, packed: Any) -> None:
+        """Read the same packed weight from a copy of it (on huge pages)."""
+        self._packed = packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
             return self._ops.linear(x, self._packed, self.bias, self.out_features)
@@ -82,6 +86,10 @@ class Embedding(nn.Module):
     @property
     def packed(self) -> Any:
         return self._packed
+
+    def move_packed(self, packed: Any) -> None:
+        """Read the same quantized table from a copy of it (on huge pages)."""
+        self._packed = packed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:

@@ -88,19 +88,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # The layers in one call (model.cpu_layers.CpuDecoderLayers), where the
-        # kernels allow it; set after loading.
-        self.fused_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Embedding, layers and final norm in one call
+        # (model.cpu_layers.CpuDecoderLayers), where the kernels allow it; set
+        # after loading.
+        self.fused_layers: Callable[..., torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: Any) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the step's flat token list."""
-        x, residual = self.embed_tokens(input_ids), None
         if self.fused_layers is not None:
-            x, residual = self.fused_layers(positions, x, kv_caches, metadata)
-        else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x, residual = layer(positions, x, residual, kv_cache, metadata)
+            return self.fused_layers(positions, input_ids, kv_caches, metadata)
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, metadata)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

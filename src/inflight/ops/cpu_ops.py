@@ -52,7 +52,7 @@ _SIGNATURES = {
     "inflight_quant_linear": (ctypes.c_int, [_i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                                              _i64]),
     "inflight_quant_embedding": (None, [_i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64]),
-    "inflight_decoder_layers_f32": (ctypes.c_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr]),
+    "inflight_decoder_layers_f32": (ctypes.c_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
 }
 
 

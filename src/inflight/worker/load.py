@@ -23,6 +23,7 @@ from inflight.model.quantize import (load_gguf_blocks, quantize_weights, read_gg
                                      weight_bytes)
 from inflight.model.registry import get_model_class
 from inflight.model.stub import StubModel
+from inflight.model.weight_pages import move_packed_weights_to_huge_pages
 from inflight.ops.cpu_ops import CpuOps, load_library
 from inflight.ops.quant import QuantOps
 from inflight.ops.torch_ops import TorchOps
@@ -97,6 +98,7 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
                                  block_bytes)
         max_positions = resolve_max_model_len(config, model_config, num_blocks * config.block_size)
 
+    on_huge_pages = 0  # bytes of packed weights on huge pages
     ops, backend = select_kernels(config.kernel_backend, device, dtype, model_config,
                                   batch_invariant=config.batch_invariant)
     if stub_token_id is not None:
@@ -110,11 +112,14 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
         _load_weights(model, config, model_dir, dtype, ops)
         if ops.packs_weights:
             pack_linear_weights(model, ops)
+        if device.type == "cpu":
+            on_huge_pages = move_packed_weights_to_huge_pages(model)
         if isinstance(ops, CpuOps) and isinstance(backend, CpuPagedBackend):
             model.fused_layers = CpuDecoderLayers(load_library(), model)
     resident = weight_bytes(model)
-    logger.info("weights: %.1f MiB (%s)", resident / 2**20,
-                config.quantization or str(dtype).removeprefix("torch."))
+    logger.info("weights: %.1f MiB (%s)%s", resident / 2**20,
+                config.quantization or str(dtype).removeprefix("torch."),
+                f", {on_huge_pages / 2**20:.1f} MiB of them on 2 MiB pages" if on_huge_pages else "")
     model.eval()
 
     if num_blocks is None:

@@ -248,4 +248,9 @@ class ModelRunner:
         ids, pos, index = self._staging.to_device([input_ids, positions, logits_index])
         metadata = self.backend.build_metadata(layout, self.device)
         hidden = self.model(ids, pos, self.kv_caches, metadata)
-        return self.model.compute_logits(hidden[index]) if logits_index.size else None
+        if not logits_index.size:
+            return None
+        # The indices rise within [0, T): T of them is every token (a decode
+        # step), and the gather would only copy.
+        return self.model.compute_logits(
+            hidden if logits_index.size == hidden.shape[0] else hidden[index])

@@ -24,5 +24,7 @@ void inflight_add_rms_norm_f32(const float *x, float *residual, const float *wei
 void inflight_silu_and_mul_f32(const float *x, float *out, int64_t num_tokens, int64_t size);
 int inflight_quant_linear(int64_t fmt, const float *x, const uint8_t *packed, const float *scale,
                           const float *bias, float *y, int64_t m, int64_t n, int64_t k);
+void inflight_quant_embedding(int64_t fmt, const int64_t *ids, int64_t num_tokens,
+                              const uint8_t *packed, const float *scale, float *out, int64_t k);
 
 #endif

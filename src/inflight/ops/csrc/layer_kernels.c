@@ -1,15 +1,18 @@
-/* A Llama-family decoder stack in one call: for each layer, residual add +
- * RMSNorm, the fused q/k/v projection, rotary embedding, the KV cache write,
- * paged attention, the output projection, residual add + RMSNorm, the fused
- * gate/up projection, SiLU-and-multiply and the down projection, each through
- * the kernels of the other C sources (float32 or quantized linear layers).
+/* A Llama-family decoder in one call: the embedding lookup; for each layer,
+ * residual add + RMSNorm, the fused q/k/v projection, rotary embedding, the KV
+ * cache write, paged attention, the output projection, residual add + RMSNorm,
+ * the fused gate/up projection, SiLU-and-multiply and the down projection;
+ * then the final residual add + RMSNorm. Each step goes through the kernels
+ * of the other C sources (float32 or quantized linear layers).
  *
  * It computes what the model's modules compute through those same kernels one
  * call at a time; run from Python, the calls cost more than the arithmetic
- * of a decode step (a few microseconds each, a dozen per layer).
+ * of a decode step (a few microseconds each, a dozen per layer, and several
+ * times that once the step's weights have pushed Python out of the caches).
  */
 #include <omp.h>
 #include <stddef.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -34,15 +37,19 @@ typedef struct {
     int64_t num_blocks, block_size;
     float eps, scale;
     const float *cos, *sin;  /* rotary tables [max_positions, head_dim / 2] */
+    /* The token embedding: a float32 table [vocab, hidden] (format -1), or the
+     * quantized output layer it is tied to (in_features = hidden). */
+    inflight_linear embedding;
+    const float *final_norm;  /* RMSNorm weight after the last layer */
 } inflight_model;
 
-/* One step's tokens: their positions and cache slots, the attention layout
- * (as for inflight_paged_attention_f32), scratch rows for each stage, and
- * where to add the seconds spent in linear layers, in attention (with the KV
- * writes) and in the rest (NULL: not timed). */
+/* One step's tokens: their ids, positions and cache slots, the attention
+ * layout (as for inflight_paged_attention_f32), scratch rows for each stage,
+ * and where to add the seconds spent in linear layers, in attention (with the
+ * KV writes) and in the rest (NULL: not timed). */
 typedef struct {
     int64_t num_tokens;
-    const int64_t *positions, *slots;
+    const int64_t *input_ids, *positions, *slots;
     const int64_t *block_table, *row_tables, *seq_lens;
     int64_t max_blocks;
     float *qkv, *attn, *normed, *gate_up, *act;
@@ -75,18 +82,28 @@ static int run_linear(const inflight_linear *w, const float *x, float *y, int64_
     return status;
 }
 
-/* x [T, hidden]: the embeddings in, the last layer's MLP output out; residual
- * [T, hidden]: zeros in, the residual stream out (the final norm adds x to
- * it). Returns 0, or the first failing kernel's status. */
+/* out [T, hidden]: the final hidden states (normed). x and residual [T,
+ * hidden] are scratch: each layer's output and the residual stream. Returns 0,
+ * or the first failing kernel's status. */
 int inflight_decoder_layers_f32(const inflight_model *m, const inflight_layer *layers,
                                 int64_t num_layers, const inflight_step *s, float *x,
-                                float *residual)
+                                float *residual, float *out)
 {
     const int64_t t = s->num_tokens, d = m->head_dim;
     const int64_t q_size = m->num_heads * d, kv_size = m->num_kv_heads * d;
     const int64_t width = q_size + 2 * kv_size;
     double *seconds = s->seconds, mark = seconds ? omp_get_wtime() : 0.0;
     int status;
+    const inflight_linear *e = &m->embedding;
+    if (e->format < 0) {
+        for (int64_t i = 0; i < t; i++)
+            memcpy(x + i * m->hidden, (const float *)e->data + s->input_ids[i] * m->hidden,
+                   (size_t)m->hidden * sizeof(float));
+    } else {
+        inflight_quant_embedding(e->format, s->input_ids, t, e->data, e->scale, x, m->hidden);
+    }
+    memset(residual, 0, (size_t)(t * m->hidden) * sizeof(float));
+    lap(seconds, TIME_OTHER, &mark);
     for (int64_t l = 0; l < num_layers; l++) {
         const inflight_layer *layer = &layers[l];
         inflight_add_rms_norm_f32(x, residual, layer->input_norm, s->normed, t, m->hidden,
@@ -120,5 +137,7 @@ int inflight_decoder_layers_f32(const inflight_model *m, const inflight_layer *l
         if ((status = run_linear(&layer->down, s->act, x, t, seconds, &mark)) != 0)
             return status;
     }
+    inflight_add_rms_norm_f32(x, residual, m->final_norm, out, t, m->hidden, m->eps);
+    lap(seconds, TIME_OTHER, &mark);
     return 0;
 }
