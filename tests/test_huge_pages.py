@@ -70,3 +70,23 @@ def test_the_default_models_matrices_stream_from_huge_pages(default_llm):
     for module in (model.lm_head, model.layers[0].self_attn.qkv_proj,
                    model.layers[-1].mlp.down_proj):
         assert huge_page_bytes(module.packed.data_ptr()) >= 100 * HUGE_PAGE  # of ~257
+
+
+@pytest.mark.parametrize("setting, moved", [("always madvise [never]", False),
+                                            ("always [madvise] never", True)])
+def test_the_machines_setting_decides_whether_weights_move(tiny_model, tmp_path, monkeypatch,
+                                                           setting, moved):
+    from inflight.model.weight_pages import move_packed_weights_to_huge_pages
+    from inflight.ops import huge_pages
+
+    if moved and not huge_pages_available():
+        pytest.skip("no transparent huge pages on this machine")
+    llm = LLM(str(tiny_model("llama-gqa")), kv_cache_memory="8MiB")
+    model = llm.engine.runner.model
+    before = model.lm_head.packed.clone()
+    (tmp_path / "enabled").write_text(setting + "\n")
+    monkeypatch.setattr(huge_pages, "THP_SETTING", tmp_path / "enabled")
+    old = model.lm_head.packed.data_ptr()
+    move_packed_weights_to_huge_pages(model)
+    assert (model.lm_head.packed.data_ptr() != old) == moved
+    assert torch.equal(model.lm_head.packed, before)
