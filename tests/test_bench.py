@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from inflight.bench.throughput import run_engine, run_hf_continuous, run_hf_generate
-from inflight.bench.workloads import BenchRequest, from_file, parse_length, synthetic
+from inflight.workload.offline import BenchRequest, from_file, parse_length, synthetic
 from inflight.cli import main
 from inflight.config import EngineConfig
 from inflight.engine.factory import build_engine_core
@@ -188,7 +188,7 @@ def test_shared_prefix_and_multi_turn_workloads_hit_the_cache(tiny_model):
 
 
 def test_chat_workloads_for_speculative_decoding():
-    from inflight.bench.workloads import chat_workload
+    from inflight.workload.offline import chat_workload
 
     grounded = chat_workload("grounded", 6, 0, 128)
     assert all(c[0]["content"].startswith("Repeat the following text") for c in grounded)

@@ -8,11 +8,12 @@ import pytest
 from server_helpers import start_server
 
 from inflight.bench import serving
+from inflight.workload import arrivals
 from inflight.config import EngineConfig
 
 
 def test_multi_tenant_requests_open_with_their_tenants_system_prompt():
-    specs = serving.build_requests(serving.SCENARIOS["multi-tenant"], 120.0, seed=3)
+    specs = arrivals.build_requests(arrivals.SCENARIOS["multi-tenant"], 120.0, seed=3)
     by_tenant: dict[str, list[str]] = {}
     for spec in specs:
         by_tenant.setdefault(spec.cls, []).append(spec.prompt)
@@ -27,7 +28,7 @@ def test_multi_tenant_requests_open_with_their_tenants_system_prompt():
     assert len(systems) == 8  # each tenant its own
     # The same seed gives the same prompts; a tenant's system prompt does not
     # depend on the other classes.
-    again = serving.build_requests(serving.SCENARIOS["multi-tenant"][3:4], 120.0, seed=3)
+    again = arrivals.build_requests(arrivals.SCENARIOS["multi-tenant"][3:4], 120.0, seed=3)
     assert again[0].prompt.split()[:1024] == by_tenant["tenant-3"][0].split()[:1024]
     assert [s.arrival for s in specs] == sorted(s.arrival for s in specs)
 
@@ -40,8 +41,8 @@ def test_the_prefix_hit_rate_comes_from_the_servers_counters(tiny_model, caching
     try:
         classes = [replace(c, rate=0.0, count=3, system_prompt_tokens=40, prompt_tokens=(4, 8),
                            output_tokens=(4, 4))
-                   for c in serving.SCENARIOS["multi-tenant"][:2]]
-        specs = serving.build_requests(classes, 1.0, seed=0)
+                   for c in arrivals.SCENARIOS["multi-tenant"][:2]]
+        specs = arrivals.build_requests(classes, 1.0, seed=0)
         before = server.metric("inflight:prefix_cache_hits_total")
         data = serving.run(server.url, None, specs, concurrency=1, slo_ttft=None, slo_tpot=None)
         hits = server.metric("inflight:prefix_cache_hits_total") - before
@@ -62,7 +63,7 @@ def test_requests_go_out_at_their_arrival_times_and_lateness_is_reported(tiny_mo
     server = start_server(EngineConfig(model=str(tiny_model("llama-gqa")), dtype="float32",
                                        kv_cache_memory="16MiB"))
     try:
-        specs = [serving.RequestSpec("c", arrival, "one two three", 2)
+        specs = [arrivals.RequestSpec("c", arrival, "one two three", 2)
                  for arrival in (0.0, 0.3, 0.6, 0.9)]
         data = serving.run(server.url, None, specs, None, None, None)
         sent, late = data["sent_seconds"], data["overall"]["late_seconds"]

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inflight.bench.serving import SCENARIOS, build_requests
+from inflight.workload.arrivals import SCENARIOS, build_requests
 from inflight.cli import main
 from inflight.config import EngineConfig
 from inflight.core.policy import POLICIES
@@ -206,7 +206,7 @@ def test_the_simulator_makes_the_real_engines_decisions_on_the_default_model():
     the same requests: the same steps, with chunked prefill, prefix hits and
     preemption by recompute."""
     from inflight.bench.throughput import run_engine
-    from inflight.bench.workloads import BenchRequest
+    from inflight.workload.offline import BenchRequest
     from inflight.engine.factory import build_engine_core
 
     engine_config = EngineConfig(num_kv_blocks=14, max_num_seqs=6, max_num_batched_tokens=48)

@@ -10,6 +10,7 @@ import pytest
 from server_helpers import start_server
 
 from inflight.bench import serving
+from inflight.workload import arrivals
 from inflight.bench.calibrate import fit_between_steps
 from inflight.bench.step_feed import (ServedStep, StepFeed, between_steps, measured_against,
                                       served_step)
@@ -87,10 +88,10 @@ def test_the_feed_yields_every_step_of_a_run_and_none_before_it(tiny_model):
     server = start_server(EngineConfig(model=str(tiny_model("llama-gqa")),
                                        kv_cache_memory="64MiB", max_num_seqs=4))
     try:
-        warm = serving.build_requests([serving.RequestClass("w", count=2, prompt_tokens=(8, 8),
+        warm = arrivals.build_requests([arrivals.RequestClass("w", count=2, prompt_tokens=(8, 8),
                                                             output_tokens=(5, 5))], 0.0, 1)
         serving.run(server.url, None, warm, None, None, None)  # the backlog the feed skips
-        specs = serving.build_requests([serving.RequestClass("c", count=6, prompt_tokens=(8, 40),
+        specs = arrivals.build_requests([arrivals.RequestClass("c", count=6, prompt_tokens=(8, 40),
                                                              output_tokens=(3, 12))], 0.0, 2)
         with StepFeed(server.url) as feed:
             data = serving.run(server.url, None, specs, None, None, None)

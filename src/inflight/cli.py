@@ -321,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    if args.validate:
+        from inflight.bench.sim_validation import validate  # torch: the real engine
+
+        return validate(args, engine_config_from_args(args))
     from inflight.sim import commands as sim_commands
 
     return sim_commands.run(args, engine_config_from_args(args))
@@ -382,7 +386,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
 
 
 def _add_bench_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    from inflight.bench.workloads import add_workload_args
+    from inflight.workload.offline import add_workload_args
 
     add_workload_args(parser)
     add_engine_args(parser, exclude=("max_num_seqs", "scheduling", "seed", "preemption_mode",
@@ -407,17 +411,18 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from inflight.bench import serving
+    from inflight.workload import arrivals, results
 
     if args.workload_file:
-        classes, specs = serving.load_workload(Path(args.workload_file))
-    elif args.scenario in serving.SCENARIOS:
-        classes, specs = serving.SCENARIOS[args.scenario], None
+        classes, specs = arrivals.load_workload(Path(args.workload_file))
+    elif args.scenario in arrivals.SCENARIOS:
+        classes, specs = arrivals.SCENARIOS[args.scenario], None
     else:
-        raise ValueError(f"--scenario must be one of {', '.join(serving.SCENARIOS)}")
+        raise ValueError(f"--scenario must be one of {', '.join(arrivals.SCENARIOS)}")
     if specs is None:
         classes = [replace(c, rate=c.rate * args.rate_scale,
                            burstiness=args.burstiness or c.burstiness) for c in classes]
-        specs = serving.build_requests(classes, args.duration, args.seed, args.num_requests)
+        specs = arrivals.build_requests(classes, args.duration, args.seed, args.num_requests)
     elif args.num_requests is not None:
         specs = specs[:args.num_requests]
     if args.max_tokens is not None:
@@ -431,7 +436,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         name = label if len(concurrencies) == 1 else f"{label} c={concurrency}"
         data = serving.run(base_url, args.model, specs, concurrency,
                            args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
-        serving.print_report(name, data)
+        results.print_report(name, data)
         runs[name] = data
     measured = dict(runs)
     for path in args.compare:

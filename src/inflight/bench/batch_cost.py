@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from inflight.bench import serving
+from inflight.workload import arrivals
 from inflight.bench.server_process import ServerProcess
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
@@ -36,7 +37,7 @@ POLL_S = 0.25
 
 def batch_lines(count: int, output_tokens: tuple[int, int], seed: int) -> list[dict[str, Any]]:
     """Chat-shaped completion requests (32-128 prompt tokens of words)."""
-    specs = serving.build_requests([serving.RequestClass(
+    specs = arrivals.build_requests([arrivals.RequestClass(
         "batch", count=count, prompt_tokens=(32, 128), output_tokens=output_tokens)], 0.0, seed)
     return [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
              "body": {"prompt": s.prompt, "max_tokens": s.max_tokens, "temperature": 0,
@@ -89,7 +90,7 @@ def served_throughput(http: httpx.Client, lines: list[dict[str, Any]]) -> dict[s
     return {"seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds}
 
 
-def interference(url: str, http: httpx.Client, specs: list[serving.RequestSpec],
+def interference(url: str, http: httpx.Client, specs: list[arrivals.RequestSpec],
                  batch: list[dict[str, Any]], rounds: int) -> list[dict[str, Any]]:
     model = http.get("/v1/models").json()["data"][0]["id"]
     serving.run(url, model, specs, None, None, None)  # a round to warm up
@@ -146,8 +147,8 @@ def command(args: Any, config: EngineConfig) -> int:
             report.update(served=served, throughput_ratio=ratio)
         if args.rounds:
             classes = [dataclasses.replace(c, rate=c.rate * args.rate_scale)
-                       for c in serving.SCENARIOS[args.scenario]]
-            specs = serving.build_requests(classes, args.duration, args.workload_seed)
+                       for c in arrivals.SCENARIOS[args.scenario]]
+            specs = arrivals.build_requests(classes, args.duration, args.workload_seed)
             batch = batch_lines(args.interference_lines, (args.min_output, args.max_output),
                                 args.workload_seed + 1)
             print(f"interference: {len(specs)} interactive requests ({args.scenario}, "

@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 
 from inflight.bench import serving
+from inflight.workload import arrivals
 from inflight.bench.server_process import ServerProcess
 from inflight.bench.step_feed import StepFeed, between_steps, measured_against
 from inflight.bench.timing import best_seconds
-from inflight.bench.workloads import synthetic
+from inflight.workload.offline import synthetic
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.engine_core import EngineCore
@@ -157,12 +158,12 @@ def fit_serving(model: LinearCostModel, config: EngineConfig, duration: float = 
     docstring); returns the runs' figures."""
     tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model))
     sim_config = SimConfig.build(config, model)
-    chat = serving.SCENARIOS["chat"]
+    chat = arrivals.SCENARIOS["chat"]
     capacity = burst_capacity(sim_config, model, chat, tokenizer.encode)
     runs, gaps = [], []
     with ServerProcess(config) as url:
         for share, seed in SERVING_RUNS:
-            specs = serving.build_requests([replace(c, rate=share * capacity) for c in chat],
+            specs = arrivals.build_requests([replace(c, rate=share * capacity) for c in chat],
                                            duration, seed)
             with StepFeed(url) as feed:
                 measured = serving.run(url, None, specs, None, None, None)["overall"]

@@ -17,7 +17,7 @@ import torch
 
 from inflight.bench.throughput import (ThroughputResult, matmul_flops, run_engine,
                                        run_hf_continuous, run_hf_generate)
-from inflight.bench.workloads import (CHAT_WORKLOADS, SYNTHETIC, BenchRequest, chat_workload,
+from inflight.workload.offline import (CHAT_WORKLOADS, SYNTHETIC, BenchRequest, chat_workload,
                                      from_file, synthetic)
 from inflight.config import EngineConfig
 from inflight.engine.engine_core import EngineCore

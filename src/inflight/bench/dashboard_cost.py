@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import httpx
 
 from inflight.bench import serving
+from inflight.workload import arrivals
 from inflight.bench.server_process import ServerProcess
 from inflight.config import EngineConfig
 from inflight.engine.engine_core import StepStats
@@ -214,10 +215,10 @@ def run(config: EngineConfig, *, requests: int, concurrency: int, rounds: int, v
         raise ValueError("--refresh needs --viewer chromium and one of the page's periods: "
                          + ", ".join(f"{s:g}" for s in PAGE_REFRESH_S))
     # The chat scenario's shapes, from two tenants (so that the page has shares to show).
-    chat = serving.SCENARIOS["chat"][0]
+    chat = arrivals.SCENARIOS["chat"][0]
     # (Arrival times do not matter in a closed loop: a high rate over a short
     # span, lengthened by build_requests until it holds enough requests.)
-    specs = serving.build_requests([replace(chat, name=f"tenant-{t}", user=f"tenant-{t}",
+    specs = arrivals.build_requests([replace(chat, name=f"tenant-{t}", user=f"tenant-{t}",
                                             rate=100.0) for t in "ab"], 0.1, 0, requests)
     if max_tokens is not None:
         specs = [replace(s, max_tokens=max_tokens) for s in specs]

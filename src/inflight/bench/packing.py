@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from inflight.bench.workloads import synthetic
+from inflight.workload.offline import synthetic
 from inflight.training.pack import PackingCollator, first_fit_decreasing, pack_rows
 
 

@@ -40,11 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from inflight.bench import serving
+from inflight.workload import arrivals
 from inflight.bench.calibrate import ShapeRecorder, calibrate
 from inflight.bench.server_process import ServerProcess
 from inflight.bench.step_feed import StepFeed, measured_against
 from inflight.bench.throughput import run_engine
-from inflight.bench.workloads import synthetic
+from inflight.workload.offline import synthetic
 from inflight.config import EngineConfig
 from inflight.engine.factory import build_engine_core
 from inflight.model.loader import resolve_model_dir
@@ -81,7 +82,7 @@ def validate(args: argparse.Namespace, engine: EngineConfig) -> int:
                    abs(offline["error"]) <= LIMITS["throughput"]))
 
     tokenizer = Tokenizer.from_dir(resolve_model_dir(engine.model))
-    chat = serving.SCENARIOS["chat"]
+    chat = arrivals.SCENARIOS["chat"]
     capacity = burst_capacity(config, cost_model, chat, tokenizer.encode)
     print(f"\nsimulated capacity of the chat scenario: {capacity:.2f} requests/s")
     results["capacity_requests_per_second"] = capacity
@@ -102,7 +103,7 @@ def validate(args: argparse.Namespace, engine: EngineConfig) -> int:
     priority_engine = replace(engine, scheduling_policy="priority", max_num_seqs=16)
     priority_config = replace(config, engine=priority_engine)
     with ServerProcess(priority_engine) as url:
-        row = _serving_run(url, serving.SCENARIOS["priority"], args.validate_duration,
+        row = _serving_run(url, arrivals.SCENARIOS["priority"], args.validate_duration,
                            priority_config, cost_model, tokenizer, args,
                            args.workload_seed + len(RATE_FRACTIONS))
     results["priority scenario"] = row
@@ -147,10 +148,10 @@ def _offline(engine_config: EngineConfig, config: SimConfig, cost_model: CostMod
     return row
 
 
-def _serving_run(url: str, classes: list[serving.RequestClass], duration: float,
+def _serving_run(url: str, classes: list[arrivals.RequestClass], duration: float,
                  config: SimConfig, cost_model: CostModel, tokenizer: Tokenizer,
                  args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    specs = serving.build_requests(classes, duration, seed=seed)
+    specs = arrivals.build_requests(classes, duration, seed=seed)
     slo_ttft, slo_tpot = args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000
     with StepFeed(url) as feed:
         real = serving.run(url, None, specs, None, slo_ttft, slo_tpot)

@@ -15,7 +15,7 @@ import torch
 
 from inflight.bench.profiler import StepProfiler
 from inflight.bench.timing import best_seconds
-from inflight.bench.workloads import BenchRequest
+from inflight.workload.offline import BenchRequest
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.engine_core import EngineCore
 from inflight.ops.cpu_ops import CpuOps

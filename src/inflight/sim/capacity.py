@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from inflight.bench.serving import RequestClass, build_requests
+from inflight.workload.arrivals import RequestClass, build_requests
 from inflight.core.policy import POLICIES
 from inflight.sim.cost_model import CostModel
 from inflight.sim.report import meets, report

@@ -10,8 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from inflight.bench import serving
-from inflight.bench.workloads import SYNTHETIC, parse_length, synthetic
+from inflight.workload import arrivals, results
+from inflight.workload.offline import SYNTHETIC, parse_length, synthetic
 from inflight.config import EngineConfig
 from inflight.core.policy import POLICIES
 from inflight.ray.routing import POLICIES as ROUTER_POLICIES
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload (one of; default: --scenario chat)")
     work.add_argument("--trace", default=None, metavar="FILE", help="JSON lines (sim.trace)")
     work.add_argument("--scenario", default=None,
-                      help=f"bench serve's request classes: {', '.join(serving.SCENARIOS)}")
+                      help=f"bench serve's request classes: {', '.join(arrivals.SCENARIOS)}")
     work.add_argument("--workload", default=None,
                       help=f"bench throughput's offline workloads, all at time 0: "
                            f"{', '.join(SYNTHETIC)}")
@@ -144,12 +144,12 @@ def workload(args: argparse.Namespace, max_model_len: int) -> list[TraceRequest]
             turns=args.turns), cls=args.workload)
     else:
         name = args.scenario or "chat"
-        if name not in serving.SCENARIOS:
-            raise ValueError(f"--scenario must be one of {', '.join(serving.SCENARIOS)}")
+        if name not in arrivals.SCENARIOS:
+            raise ValueError(f"--scenario must be one of {', '.join(arrivals.SCENARIOS)}")
         classes = [replace(c, rate=c.rate * args.rate_scale,
                            burstiness=args.burstiness or c.burstiness)
-                   for c in serving.SCENARIOS[name]]
-        trace = from_specs(serving.build_requests(classes, args.duration, args.workload_seed,
+                   for c in arrivals.SCENARIOS[name]]
+        trace = from_specs(arrivals.build_requests(classes, args.duration, args.workload_seed,
                                                   args.num_requests))
     if args.max_tokens is not None:
         trace = [replace(r, output_len=args.max_tokens) for r in trace]
@@ -159,10 +159,8 @@ def workload(args: argparse.Namespace, max_model_len: int) -> list[TraceRequest]
 
 
 def run(args: argparse.Namespace, engine: EngineConfig) -> int:
-    if args.validate:
-        from inflight.bench.sim_validation import validate  # torch: the real engine
-
-        return validate(args, engine)
+    """A simulation (``--validate``, the real engine beside it, is
+    ``bench.sim_validation``'s: the CLI sends it there)."""
     cost_model = cost_model_of(args, engine.block_size)
     config = sim_config(args, engine, cost_model)
     trace = workload(args, config.max_model_len)
@@ -184,7 +182,7 @@ def run(args: argparse.Namespace, engine: EngineConfig) -> int:
     elapsed = time.perf_counter() - start
     data = report(result, slo_ttft, slo_tpot)
     data["simulation"]["host_seconds"] = elapsed
-    serving.print_report(f"simulated ({len(trace)} requests)", data, "simulated")
+    results.print_report(f"simulated ({len(trace)} requests)", data, "simulated")
     print_summary(data)
     print(f"  {len(trace)} requests simulated in {elapsed:.1f} s "
           f"({len(trace) / elapsed:,.0f} requests/s)")

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from inflight.bench.serving import PERCENTILES, sorted_percentile
-from inflight.bench.serving import report as serving_report
+from inflight.workload.results import PERCENTILES, sorted_percentile
+from inflight.workload.results import report as serving_report
 from inflight.sim.simulator import SimResult
 
 SLO_METRICS = ("ttft", "tpot", "itl", "e2e")

@@ -33,7 +33,7 @@ from inflight.core.sampling_params import SamplingParams
 from inflight.engine.client import ModelInfo
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.factory import build_scheduler
-from inflight.bench.serving import RequestResult
+from inflight.workload.results import RequestResult
 from inflight.engine.output import OutputProcessor, RequestOutput
 from inflight.ray.routing import ReplicaReport, ReplicaRouter, RouterConfig, short_key
 from inflight.sim.cost_model import CostModel, LinearCostModel, RooflineCostModel, StepShape

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inflight.bench.serving import _WORDS, RequestSpec
-from inflight.bench.workloads import BenchRequest
+from inflight.workload.arrivals import _WORDS, RequestSpec
+from inflight.workload.offline import BenchRequest
 
 _FIELDS = {"arrival", "prompt_len", "prompt_token_ids", "output_len", "priority", "tenant",
            "deadline_ms", "class", "n", "follows"}
