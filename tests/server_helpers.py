@@ -38,12 +38,13 @@ class LiveServer:
         return 0.0
 
     def wait_idle(self, timeout: float = 5.0) -> bool:
-        """Whether the engine is idle with every KV block free within ``timeout``."""
-        kv = self.engine.core.kv_cache
+        """Whether the engine is idle with every KV block free within ``timeout``
+        (as the engine core's load reports it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if (not self.engine.core.has_unfinished_requests() and not self.engine.num_unfinished
-                    and kv.num_free_blocks == kv.num_blocks):
+            load = self.engine.load()
+            if (not self.engine.num_unfinished and not load.num_running
+                    and not load.num_waiting and load.kv_cache_usage == 0):
                 return True
             time.sleep(0.02)
         return False

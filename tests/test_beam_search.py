@@ -164,7 +164,7 @@ def test_aborting_a_search_frees_every_block(tiny_model):
     engine.step()
     assert not engine.has_unfinished_requests()
     assert kv.num_free_blocks == kv.num_blocks and not kv.owned_blocks()
-    assert not engine.output_processor.sequence_ids(rid)
+    assert not engine.core.sequence_ids(rid) and rid not in engine.output
 
 
 def test_beams_and_plain_requests_share_steps_and_survive_preemption(tiny_model):
@@ -256,11 +256,11 @@ def test_the_step_log_frees_the_slots_of_ended_beams(tiny_model):
 
     llm = LLM(str(tiny_model("llama-gqa")), dtype="float64", kv_cache_memory="16MiB")
     engine, log = llm.engine, StepLog()
-    prepared = engine.prepare_request({"prompt_token_ids": list(range(1, 20))},
-                                      BeamSearchParams(beam_width=4, max_tokens=12,
-                                                       ignore_eos=True), request_id="b")
+    prepared = engine.input.prepare({"prompt_token_ids": list(range(1, 20))},
+                                    BeamSearchParams(beam_width=4, max_tokens=12,
+                                                     ignore_eos=True), request_id="b")
     engine.submit(prepared)
-    log.submitted("b", [s.request_id for s in prepared.sequences], 19, 0.0)
+    log.submitted("b", prepared.core.sequence_ids, 19, 0.0)
     ended = 0
     while engine.has_unfinished_requests():
         engine.step()

@@ -11,7 +11,7 @@ from inflight.bench.throughput import run_engine, run_hf_continuous, run_hf_gene
 from inflight.workload.offline import BenchRequest, from_file, parse_length, synthetic
 from inflight.cli import main
 from inflight.config import EngineConfig
-from inflight.engine.factory import build_engine_core
+from inflight.engine.factory import build_llm_engine
 from inflight.ops.cpu_ops import load_library
 
 
@@ -68,7 +68,7 @@ def tiny_requests():
 def test_static_runs_pad_and_continuous_runs_refill(tiny_model, tiny_requests):
     results = {}
     for mode in ("continuous", "static"):
-        engine = build_engine_core(EngineConfig(str(tiny_model("llama-gqa")), scheduling=mode,
+        engine = build_llm_engine(EngineConfig(str(tiny_model("llama-gqa")), scheduling=mode,
                                          max_num_seqs=4, kv_cache_memory="16MiB"))
         results[mode] = run_engine(engine, tiny_requests, label=mode, ignore_eos=True,
                                    profile=True, record_batches=True)
@@ -84,7 +84,7 @@ def test_static_runs_pad_and_continuous_runs_refill(tiny_model, tiny_requests):
 
 
 def test_model_stub_runs_without_a_model(tiny_model, tiny_requests):
-    engine = build_engine_core(EngineConfig(str(tiny_model("llama-gqa")), max_num_seqs=8,
+    engine = build_llm_engine(EngineConfig(str(tiny_model("llama-gqa")), max_num_seqs=8,
                                      kv_cache_memory="16MiB"), model_stub=True)
     result = run_engine(engine, tiny_requests, label="stub", ignore_eos=True, profile=True)
     assert result.output_tokens == sum(r.max_tokens for r in tiny_requests)
@@ -147,11 +147,11 @@ def test_each_run_builds_its_engine_after_the_last_one_is_freed(tiny_model, monk
 
     def build(config, **kwargs):
         assert all(ref() is None for ref in built), "the previous run's engine is still alive"
-        engine = build_engine_core(config, **kwargs)
+        engine = build_llm_engine(config, **kwargs)
         built.append(weakref.ref(engine))
         return engine
 
-    monkeypatch.setattr(commands, "build_engine_core", build)
+    monkeypatch.setattr(commands, "build_llm_engine", build)
     model = str(tiny_model("llama-gqa"))
     assert main(["bench", "throughput", "--model", model, "--num-requests", "4", "--ignore-eos",
                  "--max-num-seqs", "2,3", "--kv-cache-memory", "16MiB"]) == 0
@@ -174,7 +174,7 @@ def test_shared_prefix_and_multi_turn_workloads_hit_the_cache(tiny_model):
     for cache in (True, False):
         # A budget that admits one shared-prefix prompt per step: prompts admitted
         # in the same step cannot reuse each other's blocks, not computed yet.
-        engine = build_engine_core(EngineConfig(path, kv_cache_memory="16MiB", max_num_batched_tokens=160,
+        engine = build_llm_engine(EngineConfig(path, kv_cache_memory="16MiB", max_num_batched_tokens=160,
                                          enable_prefix_caching=cache))
         one = run_engine(engine, shared, label="shared", ignore_eos=True)
         conversation = run_engine(engine, turns, label="turns", ignore_eos=True)

@@ -24,13 +24,13 @@ from server_helpers import start_server
 from test_sim import make_config, make_trace, options, request_spec, run_engine_loop
 
 from inflight.config import EngineConfig
-from inflight.engine.engine_core import EngineCore
+from inflight.engine.llm_engine import LLMEngine
 from inflight.engine.step_log import StepLog
 from inflight.server.dashboard import coalesce
 from inflight.sim.runner import VirtualClock
 
 
-def run_logged(config, trace, aborts: list[tuple[int, int]]) -> tuple[StepLog, list, EngineCore]:
+def run_logged(config, trace, aborts: list[tuple[int, int]]) -> tuple[StepLog, list, LLMEngine]:
     """test_sim's plain engine loop with a StepLog fed as AsyncEngine feeds it;
     ``aborts``: (step, request index) pairs."""
     clock = VirtualClock()
@@ -38,17 +38,17 @@ def run_logged(config, trace, aborts: list[tuple[int, int]]) -> tuple[StepLog, l
     stats = []
 
     def submitted(prepared, r) -> None:
-        log.submitted(prepared.request_id, [s.request_id for s in prepared.sequences],
-                      len(prepared.prompt_token_ids), r.arrival, r.tenant, r.priority)
+        log.submitted(prepared.request_id, prepared.core.sequence_ids,
+                      len(prepared.core.prompt_token_ids), r.arrival, r.tenant, r.priority)
 
-    def abort(step: int, core: EngineCore) -> None:
+    def abort(step: int, core: LLMEngine) -> None:
         for at, index in aborts:
-            sequences = core.output_processor.sequence_ids(str(index))
+            sequences = core.core.sequence_ids(str(index))
             if at == step and sequences:
                 core.abort_request(str(index))
                 log.ended(str(index), sequences, "aborted")
 
-    def stepped(core: EngineCore) -> None:
+    def stepped(core: LLMEngine) -> None:
         log.stepped(core.last_step)
         stats.append(core.last_step)
 
@@ -115,7 +115,7 @@ def stats_of(**fields) -> SimpleNamespace:
                 finished=[], inter_token_latencies=[], seconds=0.01, num_waiting=0,
                 num_running=0, kv_cache_usage=0.0, num_tokens=0, num_prompt_tokens=0,
                 generation_tokens=0, num_preempted=0, prefix_cache_queries=0,
-                prefix_cache_hits=0, ended_beam_ids=[])
+                prefix_cache_hits=0, ended_beam_ids=[], end_time=0.0)
     return SimpleNamespace(**{**base, **fields})
 
 

@@ -10,7 +10,7 @@ import torch
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
 from inflight.core.scheduler import SchedulerOutput
-from inflight.engine.factory import build_engine_core
+from inflight.engine.factory import build_llm_engine
 from inflight.engine.output import OutputKind
 from inflight.worker.runner import RunnerOutput
 from inflight.worker.sampler import Sampler, SamplingRow
@@ -58,7 +58,7 @@ def engine_with(tiny_model):
     def make(runner: FakeRunner, **options):
         config = EngineConfig(str(tiny_model("llama-gqa")), block_size=4, **options)
         clock = VirtualClock()
-        engine = build_engine_core(config, runner=runner, clock=clock)
+        engine = build_llm_engine(config, runner=runner, clock=clock)
         runner.worker = FakeWorker(engine.kv_cache)
         return engine, clock
     return make

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from inflight.core.request import Request
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.output import SequenceDetokenizer
 
@@ -15,12 +14,11 @@ def tokenizer(default_llm):
 
 
 def feed(tokenizer, text: str, **params):
-    request = Request("r", [1], SamplingParams(**params), 100)
-    detok = SequenceDetokenizer(tokenizer, request, stream=True)
+    detok = SequenceDetokenizer(tokenizer, SamplingParams(**params), stream=True)
     visible, stop = [], None
     for i, token in enumerate(tokenizer.encode(text, add_special_tokens=False)):
         stop = detok.add_token(token, i + 1)
-        visible.append(detok.visible_text(finished=stop is not None))
+        visible.append(detok.visible_text([], finished=stop is not None))
         if stop:
             break
     return detok, visible, stop
@@ -56,10 +54,9 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
 
 
 def test_holdback_releases_text_that_cannot_start_a_stop_string(tokenizer):
-    request = Request("r", [1], SamplingParams(stop=["###"]), 100)
-    detok = SequenceDetokenizer(tokenizer, request, stream=True)
+    detok = SequenceDetokenizer(tokenizer, SamplingParams(stop=["###"]), stream=True)
     detok.text = "abc#"
-    assert detok.visible_text(False) == "abc"
+    assert detok.visible_text([], False) == "abc"
     detok.text = "abc#x"
-    assert detok.visible_text(False) == "abc#x"
-    assert detok.visible_text(True) == "abc#x"
+    assert detok.visible_text([], False) == "abc#x"
+    assert detok.visible_text([], True) == "abc#x"

@@ -161,7 +161,7 @@ def test_prefix_cache_over_http(server, client, model):
     assert server.metric("inflight:prefix_cache_queries_total") > 0
     assert cached("other tenant") == 0
     assert server.wait_idle()  # idle: cached blocks are free blocks, the usage gauge says 0
-    assert server.engine.core.kv_cache.num_cached_blocks > 0
+    assert server.engine.load().num_cached_blocks > 0
     assert server.metric("inflight:kv_cache_usage_perc") == 0
     reset = httpx.post(f"{server.url}/reset_prefix_cache")
     assert reset.status_code == 200 and reset.json()["forgotten_blocks"] > 0
@@ -298,7 +298,7 @@ def test_prompt_over_the_limit_names_limit_and_length(server):
                           json={"prompt": [1] * 9000, "max_tokens": 1})
     assert response.status_code == 400
     message = response.json()["error"]["message"]
-    assert "9000" in message and f"max_model_len={server.engine.core.max_model_len}" in message
+    assert "9000" in message and f"max_model_len={server.engine.model_info.max_model_len}" in message
 
 
 def test_wrong_method(server):

@@ -24,10 +24,11 @@ from inflight.config import EngineConfig
 from inflight.core.policy import POLICIES
 from inflight.core.sampling_params import SamplingParams
 from inflight.core.scheduler import SchedulerOutput
-from inflight.engine.client import ModelInfo
-from inflight.engine.engine_core import EngineCore, PreparedRequest
+from inflight.engine.messages import ModelInfo
+from inflight.engine.engine_core import EngineCore
+from inflight.engine.input import PreparedRequest
+from inflight.engine.llm_engine import LLMEngine
 from inflight.engine.factory import build_scheduler
-from inflight.engine.output import OutputProcessor
 from inflight.sim.capacity import compare_policies, find_replicas
 from inflight.sim.cost_model import (LinearCostModel, RooflineCostModel, StepShape,
                                      load_cost_model, step_shape)
@@ -75,9 +76,9 @@ class FakeRunner:
 def run_engine_loop(config: SimConfig, trace: list[TraceRequest], *,
                     clock: VirtualClock | None = None, idle_step: float = BASE,
                     on_submit: Callable[[PreparedRequest, TraceRequest], None] | None = None,
-                    before_step: Callable[[int, EngineCore], None] | None = None,
-                    on_step: Callable[[EngineCore], None] | None = None
-                    ) -> tuple[list, dict[str, tuple], EngineCore]:
+                    before_step: Callable[[int, LLMEngine], None] | None = None,
+                    on_step: Callable[[LLMEngine], None] | None = None
+                    ) -> tuple[list, dict[str, tuple], LLMEngine]:
     """A plain engine loop in virtual time: add what has arrived, step, repeat;
     when idle, jump to the next arrival (a step that took no time moves the
     clock by ``idle_step``, as the simulator's idle poll). The hooks see each
@@ -85,9 +86,9 @@ def run_engine_loop(config: SimConfig, trace: list[TraceRequest], *,
     clock = VirtualClock() if clock is None else clock
     runner = FakeRunner(clock, config.num_kv_blocks, config.num_host_blocks,
                         config.max_model_len)
-    core = EngineCore(build_scheduler(config.engine, runner, clock), runner,
-                      OutputProcessor(None), model=ModelInfo("x", config.max_model_len, 2**31),
-                      tokenizer=None, clock=clock)
+    core = LLMEngine(EngineCore(build_scheduler(config.engine, runner, clock), runner,
+                               model=ModelInfo("x", config.max_model_len, 2**31), clock=clock),
+                     None, clock)
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival)
     finished: dict[str, tuple] = {}
     step = 0
@@ -98,7 +99,7 @@ def run_engine_loop(config: SimConfig, trace: list[TraceRequest], *,
             i = order.pop(0)
             r = trace[i]
             try:
-                prepared = core.prepare_request(
+                prepared = core.input.prepare(
                     {"prompt_token_ids": r.prompt_token_ids},
                     SamplingParams(n=r.n, max_tokens=r.output_len, ignore_eos=True,
                                    temperature=0.0 if r.n == 1 else 1.0),
@@ -207,10 +208,10 @@ def test_the_simulator_makes_the_real_engines_decisions_on_the_default_model():
     preemption by recompute."""
     from inflight.bench.throughput import run_engine
     from inflight.workload.offline import BenchRequest
-    from inflight.engine.factory import build_engine_core
+    from inflight.engine.factory import build_llm_engine
 
     engine_config = EngineConfig(num_kv_blocks=14, max_num_seqs=6, max_num_batched_tokens=48)
-    engine = build_engine_core(engine_config)
+    engine = build_llm_engine(engine_config)
     plans = []
     real_execute = engine.runner.execute
 

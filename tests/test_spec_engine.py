@@ -75,7 +75,7 @@ class FixedProposer:
 
 
 def with_proposer(engine: LLM, proposer, k: int) -> LLM:
-    engine.engine.speculator = Speculator(
+    engine.engine.core.speculator = Speculator(
         SpeculativeConfig(num_speculative_tokens=k, adaptive=False), proposer)
     return engine
 

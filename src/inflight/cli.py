@@ -59,7 +59,7 @@ def _generate(args: argparse.Namespace) -> int:
     print(completion.text)
     print(f"[{len(output.prompt_token_ids)} prompt + {len(completion.token_ids)} generated tokens "
           f"in {elapsed:.2f} s, finish_reason={completion.finish_reason}; "
-          f"model loaded in {llm.engine.load_seconds:.1f} s]", file=sys.stderr)
+          f"model loaded in {llm.engine.core.load_seconds:.1f} s]", file=sys.stderr)
     return 0
 
 
@@ -343,14 +343,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     from inflight.cache import data_root
 
-    serve(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
-          served_model_name=args.served_model_name,
-          data_dir=args.data_dir or data_root(), batch_max_in_flight=args.batch_max_in_flight,
-          max_waiting_requests=args.max_waiting_requests,
-          max_waiting_per_tenant=args.max_waiting_per_tenant,
-          max_queue_wait=args.max_queue_wait, shutdown_timeout=args.shutdown_timeout,
-          log_level=args.log_level.lower())
-    return 0
+    return serve(engine_config_from_args(args), host=args.host, port=args.port,
+                 api_key=args.api_key, served_model_name=args.served_model_name,
+                 data_dir=args.data_dir or data_root(),
+                 batch_max_in_flight=args.batch_max_in_flight,
+                 max_waiting_requests=args.max_waiting_requests,
+                 max_waiting_per_tenant=args.max_waiting_per_tenant,
+                 max_queue_wait=args.max_queue_wait, shutdown_timeout=args.shutdown_timeout,
+                 log_level=args.log_level.lower())
 
 
 def _run_batch(args: argparse.Namespace) -> int:

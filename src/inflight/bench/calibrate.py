@@ -43,8 +43,8 @@ from inflight.bench.timing import best_seconds
 from inflight.workload.offline import synthetic
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
-from inflight.engine.engine_core import EngineCore
-from inflight.engine.factory import build_engine_core
+from inflight.engine.llm_engine import LLMEngine
+from inflight.engine.factory import build_llm_engine
 from inflight.model.loader import resolve_model_dir
 from inflight.model.tokenizer import Tokenizer
 from inflight.sim.capacity import burst_capacity
@@ -75,7 +75,7 @@ class ShapeRecorder:
         return getattr(self.runner, name)
 
 
-def record_steps(engine: EngineCore, recorder: ShapeRecorder, prompts: list[list[int]],
+def record_steps(engine: LLMEngine, recorder: ShapeRecorder, prompts: list[list[int]],
                  max_tokens: list[int], samples: list[tuple[StepShape, float]],
                  joining: list[list[int]] | None = None) -> None:
     """Add every prompt at once, step to the end, record each step. The
@@ -98,7 +98,7 @@ def record_steps(engine: EngineCore, recorder: ShapeRecorder, prompts: list[list
     engine.reset_prefix_cache()
 
 
-def sweep(engine: EngineCore, recorder: ShapeRecorder, quick: bool = False
+def sweep(engine: LLMEngine, recorder: ShapeRecorder, quick: bool = False
           ) -> list[tuple[StepShape, float]]:
     """The calibration workloads (see the module docstring)."""
     slots = engine.scheduler.max_num_seqs
@@ -205,9 +205,9 @@ def fit_between_steps(gaps: list[tuple[int, float]]) -> tuple[float, float]:
 
 def calibrate(config: EngineConfig, quick: bool = False, with_serving: bool = True
               ) -> LinearCostModel:
-    engine = build_engine_core(config)
+    engine = build_llm_engine(config)
     recorder = ShapeRecorder(engine.runner)
-    engine.runner = recorder
+    engine.core.runner = recorder
     start = time.perf_counter()
     samples = sweep(engine, recorder, quick)
     runner = recorder.runner

@@ -20,15 +20,15 @@ from inflight.bench.throughput import (ThroughputResult, matmul_flops, run_engin
 from inflight.workload.offline import (CHAT_WORKLOADS, SYNTHETIC, BenchRequest, chat_workload,
                                      from_file, synthetic)
 from inflight.config import EngineConfig
-from inflight.engine.engine_core import EngineCore
-from inflight.engine.factory import build_engine_core
+from inflight.engine.llm_engine import LLMEngine
+from inflight.engine.factory import build_llm_engine
 from inflight.model.loader import resolve_model_dir
 from inflight.ops.cpu_ops import CpuOps, load_library
 
 SWEEP_SEQS = (4, 8, 16, 32, 64, 128)
 
 
-def load_workload(args: argparse.Namespace, engine: EngineCore) -> list[BenchRequest]:
+def load_workload(args: argparse.Namespace, engine: LLMEngine) -> list[BenchRequest]:
     if args.workload in CHAT_WORKLOADS:
         if engine.tokenizer is None:
             raise ValueError(f"the {args.workload} workload needs the model's tokenizer")
@@ -46,7 +46,7 @@ def load_workload(args: argparse.Namespace, engine: EngineCore) -> list[BenchReq
     return from_file(Path(args.workload))
 
 
-def _special_ids(engine: EngineCore) -> frozenset[int]:
+def _special_ids(engine: LLMEngine) -> frozenset[int]:
     specials = engine.tokenizer.special_token_ids if engine.tokenizer else frozenset()
     return specials | engine.eos_token_ids
 
@@ -69,12 +69,12 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _engine(base: EngineConfig, model_stub: bool = False, **changes: Any) -> EngineCore:
+def _engine(base: EngineConfig, model_stub: bool = False, **changes: Any) -> LLMEngine:
     # Callers drop their reference to the previous run's engine first; it is held
     # in reference cycles, so collect it before allocating another KV cache (on a
     # GPU the next cache is sized from the memory left free).
     gc.collect()
-    return build_engine_core(dataclasses.replace(base, **changes), model_stub=model_stub)
+    return build_llm_engine(dataclasses.replace(base, **changes), model_stub=model_stub)
 
 
 def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
@@ -141,7 +141,7 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     return 0
 
 
-def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
+def _report(args: argparse.Namespace, base: EngineConfig, engine: LLMEngine,
             requests: list[BenchRequest], results: list[ThroughputResult]) -> dict[str, Any]:
     print()
     width = max(12, *(len(r.label) + 2 for r in results))
@@ -207,7 +207,7 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineCore,
     return report
 
 
-def _matmul_flops_by_kernel(engine: EngineCore) -> dict[str, float]:
+def _matmul_flops_by_kernel(engine: LLMEngine) -> dict[str, float]:
     """The roofline's FLOP/s, as fast as this machine multiplies matrices:
     PyTorch's product, and on the CPU in float32 also the C kernels' own (the
     engine's, faster than PyTorch's at some sizes: a roofline from PyTorch's

@@ -32,7 +32,7 @@ from inflight.bench import serving
 from inflight.workload import arrivals
 from inflight.bench.server_process import ServerProcess
 from inflight.config import EngineConfig
-from inflight.engine.engine_core import StepStats
+from inflight.engine.step_stats import StepStats
 from inflight.engine.step_log import StepLog
 from inflight.server.dashboard import (BACKLOG_STEPS, FEED_COLUMNS, FEED_INTERVAL_S,
                                        SUMMARY_EVERY_S, coalesce, event)

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from inflight.config import EngineConfig
-from inflight.engine.factory import build_engine_core
+from inflight.engine.factory import build_llm_engine
 
 
 def perplexity_of(base: EngineConfig, text: str, chunk_size: int) -> dict[str, Any]:
     """Perplexity of ``text`` under a fresh engine built from ``base``."""
     gc.collect()  # the previous engine's KV cache and weights
-    engine = build_engine_core(base)
+    engine = build_llm_engine(base)
     if engine.tokenizer is None:
         raise ValueError("bench perplexity needs the model's tokenizer")
     token_ids = engine.tokenizer.encode(text)

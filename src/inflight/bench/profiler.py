@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from inflight.engine.engine_core import EngineCore
+from inflight.engine.llm_engine import LLMEngine
 from inflight.model.layers import Linear
 
 
@@ -39,7 +39,7 @@ class StepProfiler:
 
         setattr(obj, method, timed)
 
-    def attach(self, engine: EngineCore) -> None:
+    def attach(self, engine: LLMEngine) -> None:
         runner = engine.runner
         self.wrap(engine, "step", "step")
         self.wrap(engine.scheduler, "schedule", "scheduling")
@@ -50,7 +50,7 @@ class StepProfiler:
         self.wrap(runner.model, "compute_logits", "model")
         self.wrap(runner.backend, "forward", "attention")
         self.wrap(runner.sampler, "sample", "sampling")
-        self.wrap(engine.output_processor, "process", "detokenize")
+        self.wrap(engine.output, "process", "detokenize")
         for module in runner.model.modules():
             if isinstance(module, Linear):
                 self.wrap(module, "forward", "linear layers")

@@ -47,7 +47,7 @@ from inflight.bench.step_feed import StepFeed, measured_against
 from inflight.bench.throughput import run_engine
 from inflight.workload.offline import synthetic
 from inflight.config import EngineConfig
-from inflight.engine.factory import build_engine_core
+from inflight.engine.factory import build_llm_engine
 from inflight.model.loader import resolve_model_dir
 from inflight.model.tokenizer import Tokenizer
 from inflight.sim.capacity import burst_capacity
@@ -122,9 +122,9 @@ def validate(args: argparse.Namespace, engine: EngineConfig) -> int:
 
 def _offline(engine_config: EngineConfig, config: SimConfig, cost_model: CostModel
              ) -> dict[str, Any]:
-    engine = build_engine_core(engine_config)
+    engine = build_llm_engine(engine_config)
     recorder = ShapeRecorder(engine.runner)
-    engine.runner = recorder
+    engine.core.runner = recorder
     requests = synthetic("mixed", 64, 0, engine.model.vocab_size, engine.max_model_len)
     real = run_engine(engine, requests, label="real", ignore_eos=True)
     # The warm-up's steps came first; the run's are the last real.steps.

@@ -17,7 +17,7 @@ from inflight.bench.profiler import StepProfiler
 from inflight.bench.timing import best_seconds
 from inflight.workload.offline import BenchRequest
 from inflight.core.sampling_params import SamplingParams
-from inflight.engine.engine_core import EngineCore
+from inflight.engine.llm_engine import LLMEngine
 from inflight.ops.cpu_ops import CpuOps
 from inflight.spec_decode.speculator import SpecStats
 
@@ -74,7 +74,7 @@ class ThroughputResult:
         return data
 
 
-def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
+def run_engine(engine: LLMEngine, requests: list[BenchRequest], *, label: str,
                ignore_eos: bool, profile: bool = False, record_batches: bool = False,
                warmup: bool = True) -> ThroughputResult:
     """Add every request at once (a conversation's next turn once the previous
@@ -160,7 +160,7 @@ def run_engine(engine: EngineCore, requests: list[BenchRequest], *, label: str,
         occupancy=occupancy, batches=batches, padding=padding)
 
 
-def _warm_up(engine: EngineCore) -> None:
+def _warm_up(engine: LLMEngine) -> None:
     """One short mixed batch so that one-time kernel setup is not timed."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     ids = [engine.add_request({"prompt_token_ids": [100 + i] * (8 + 40 * i)}, params)

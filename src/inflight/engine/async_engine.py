@@ -1,43 +1,58 @@
-"""AsyncEngine: the engine loop in one background thread, with an asyncio stream
-of outputs per request; the in-process ``EngineClient``.
+"""AsyncEngine: the ``EngineClient`` the server talks to. A front end in the
+caller's asyncio loop (validation and tokenization, detokenization and stop
+strings, one async stream of outputs per request, backpressure, the step log
+and metrics) over an engine core that runs elsewhere: by default in a
+process of its own (``engine.core_process``), else (``in_process``) in a
+thread of this one. Either way they talk over ZeroMQ sockets with
+MessagePack (``engine.messages``): requests, aborts, stop-string finishes and
+questions go in; every step's new tokens per sequence come out, batched.
 
-Only the loop thread touches the EngineCore's state. Callers validate and
-tokenize in their own thread (``prepare_request``), then hand the request to
-the loop through an inbox; aborts travel the same way and take effect before
-the next step. The loop steps while any request is in flight and sleeps on a
-condition variable otherwise: an idle server does not spin.
-
-The EngineCore is built inside the loop thread, so that only that thread ever
-runs OpenMP parallel regions: with a second team of workers (say, the main
-thread's) libgomp counts more threads than cores and stops spin-waiting
-between regions, which made every decode step about 30% slower here.
+A separate process keeps the core's busy loop off the interpreter that
+serves HTTP: the engine steps while the server parses, tokenizes,
+detokenizes and streams. If the engine process dies, every request in flight
+ends with ``EngineDeadError``, ``error`` says why (``/health`` turns 503) and
+``on_dead`` is called (``inflight serve`` then exits with status 1).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import itertools
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
 
 from inflight.config import EngineConfig
 from inflight.core.beam_search import BeamSearchParams
 from inflight.core.sampling_params import SamplingParams
-from inflight.engine.client import EngineLoad, ModelInfo, TokenizerOps
-from inflight.engine.engine_core import EngineCore, PreparedRequest, PromptType, StepStats
-from inflight.engine.factory import build_engine_core
-from inflight.engine.output import OutputKind, RequestOutput
+from inflight.engine.client import TokenizerOps
+from inflight.engine.core_loop import serve_core
+from inflight.engine.input import InputProcessor, PromptType
+from inflight.engine.messages import (AbortRequests, AddRequest, CoreEvent, CoreFailed, CoreOp,
+                                      CoreOutputs, CoreReady, EngineLoad, FinishSequences,
+                                      ModelInfo, Shutdown, UtilityCall, UtilityReply)
+from inflight.engine.output import OutputKind, OutputProcessor, RequestOutput
 from inflight.engine.step_log import LocalStepLog, StepLog
+from inflight.engine.step_stats import StepStats
 from inflight.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+# Longest wait for the core to be built (a first start converts the default
+# model's GGUF file; a large model loads for minutes).
+START_TIMEOUT_S = 3600.0
 
 
 class QueueFullError(RuntimeError):
@@ -49,7 +64,7 @@ class QueueTimeoutError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop failed; no request can be served."""
+    """The engine stopped; no request can be served."""
 
 
 class RequestFailedError(RuntimeError):
@@ -60,13 +75,62 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted (``abort``) while its stream was being read."""
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class _Core:
+    """Where the core runs, and how to tell whether it still does."""
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def alive(self) -> bool: ...
+
+    def stop(self, timeout: float) -> None: ...
+
+
+class _CoreThread(_Core):
+    def __init__(self, config: EngineConfig, context: zmq.Context, ops: str, events: str,
+                 options: dict[str, Any]) -> None:
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                serve_core(config, context, ops, events, **options)
+            except BaseException as e:  # noqa: BLE001 - raised again by the front end
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="inflight-engine", daemon=True)
+        self.thread.start()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+
+class _CoreProcess(_Core):
+    def __init__(self, config: EngineConfig, ops: str, events: str,
+                 options: dict[str, Any]) -> None:
+        from inflight.engine.core_process import CoreProcessSpec
+
+        spec = CoreProcessSpec(config, ops, events, log_level=logging.getLogger(
+            "inflight").getEffectiveLevel(), **options)
+        self.process = subprocess.Popen([sys.executable, "-m", "inflight.engine.core_process"],
+                                        stdin=subprocess.PIPE)
+        self.process.stdin.write(msgspec.msgpack.encode(spec))
+        self.process.stdin.close()
+        logger.info("engine core process %d", self.process.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float) -> None:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("the engine process did not stop in %.0f s: killing it", timeout)
+            self.process.kill()
+            self.process.wait()
 
 
 class AsyncEngine(TokenizerOps):
@@ -75,16 +139,19 @@ class AsyncEngine(TokenizerOps):
                  max_queue_wait: float | None = None,
                  on_step: Callable[[StepStats], None] | None = None,
                  on_abort: Callable[[int], None] | None = None,
-                 build: Callable[[EngineConfig], EngineCore] = build_engine_core) -> None:
+                 on_dead: Callable[[], None] | None = None,
+                 in_process: bool = False) -> None:
         """``max_waiting_requests``: refuse new requests (QueueFullError) while this
         many wait (``max_waiting_per_tenant``: this many of the same tenant);
         background requests neither count nor are refused (their feeder bounds them);
         ``max_queue_wait``: end with QueueTimeoutError a request not scheduled
         within this many seconds. ``on_step`` sees every step's stats and
-        ``on_abort`` the number of requests each abort ended (metrics).
-        ``build`` makes the EngineCore (in the loop thread). The loop records
-        every submission, step and abort in ``step_log`` (the dashboard's
-        source, read from any thread)."""
+        ``on_abort`` the number of sequences each abort ended (metrics);
+        ``on_dead`` is called once if the engine stops on its own.
+        ``in_process``: run the core in a thread of this process, not a
+        process of its own. Every submission, step and abort is recorded in
+        ``step_log`` (the dashboard's source). Blocks until the model is
+        loaded; raises what stopped it from loading."""
         for name, value in (("max_waiting_requests", max_waiting_requests),
                             ("max_waiting_per_tenant", max_waiting_per_tenant)):
             if value is not None and value < 1:
@@ -93,46 +160,104 @@ class AsyncEngine(TokenizerOps):
             raise ValueError("max_queue_wait must be > 0 seconds")
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_per_tenant = max_waiting_per_tenant
-        # Waiting requests per tenant, refreshed by the loop thread after each
-        # step and bumped by callers in between (read without the lock).
-        self.waiting_by_tenant: dict[str | None, int] = {}
         self.max_queue_wait = max_queue_wait
         self._on_step = on_step
         self._on_abort = on_abort
+        self._on_dead = on_dead
         self.step_log = StepLog()
-        self._lock = threading.Condition()
-        self._inbox: list[tuple[str, Any]] = []
         self._streams: dict[str, _Stream] = {}
-        self._stopping = False
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
         self._dead: BaseException | None = None
-        # Interactive requests queued in the inbox or in the scheduler; read
-        # without the lock.
-        self.num_waiting = 0
-        # The load snapshot, replaced (never mutated) by the loop thread.
+        self._stopping = False
         self._load = EngineLoad()
-        self._built = threading.Event()
-        self._build_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(config, build),
-                                        name="inflight-engine", daemon=True)
-        self._thread.start()
-        self._built.wait()
-        if self._build_error is not None:
-            raise self._build_error
+        # Interactive requests waiting: in the core's last report, plus those
+        # sent since; read without the lock.
+        self.num_waiting = 0
+        self.waiting_by_tenant: dict[str | None, int] = {}
+        self._in_transit: deque[tuple[bool, str | None]] = deque()  # (interactive, tenant)
+        self._num_sent = 0
+        self._core_waiting: dict[str | None, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pump: asyncio.Task | None = None
+        self._send_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreEvent)
+
+        self._context = zmq.Context()
+        self._socket_dir = None if in_process else tempfile.TemporaryDirectory(prefix="inflight-")
+        ops_address, events_address = self._addresses()
+        self._ops = self._context.socket(zmq.PUSH)
+        self._ops.setsockopt(zmq.LINGER, 0)
+        self._ops.bind(ops_address)
+        self._events = self._context.socket(zmq.PULL)
+        self._events.setsockopt(zmq.LINGER, 0)
+        self._events.bind(events_address)
+        options = {"max_queue_wait": max_queue_wait,
+                   "count_tenants": max_waiting_per_tenant is not None}
+        self._core: _Core = (_CoreThread(config, self._context, ops_address, events_address,
+                                         options) if in_process
+                             else _CoreProcess(config, ops_address, events_address, options))
+        try:
+            ready = self._wait_ready()
+        except BaseException:
+            self._close()
+            raise
+        self.model = ready.model
+        self.load_seconds = ready.load_seconds
+        self.step_log.capacity = ready.max_num_seqs
+        self.tokenizer: Tokenizer | None = (None if config.skip_tokenizer_init or not
+                                            ready.model_dir else
+                                            Tokenizer.from_dir(Path(ready.model_dir)))
+        self.input = InputProcessor(self.tokenizer, self.model)
+        self.output = OutputProcessor(self.tokenizer)
+        if isinstance(self._core, _CoreProcess):
+            threading.Thread(target=self._watch, name="inflight-engine-watch",
+                             daemon=True).start()
+
+    def _addresses(self) -> tuple[str, str]:
+        if self._socket_dir is None:
+            tag = f"inflight-{os.getpid()}-{id(self)}"
+            return f"inproc://{tag}-ops", f"inproc://{tag}-events"
+        return (f"ipc://{self._socket_dir.name}/ops", f"ipc://{self._socket_dir.name}/events")
+
+    def _wait_ready(self) -> CoreReady:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._events.poll(100):
+                event = self._decoder.decode(self._events.recv())
+                if isinstance(event, CoreReady):
+                    return event
+                if isinstance(event, CoreFailed):
+                    self._core.stop(30)
+                    error = getattr(self._core, "error", None)
+                    if error is not None:
+                        raise error
+                    if event.bad_input:
+                        raise ValueError(event.message)
+                    raise EngineDeadError(f"the engine could not start: {event.message}")
+            elif not self._core.alive():
+                raise EngineDeadError("the engine stopped before it was ready")
+        raise EngineDeadError(f"the engine was not ready within {START_TIMEOUT_S:.0f} s")
 
     # ------------------------------------------------------------- callers
     @property
     def error(self) -> BaseException | None:
-        """Why the engine loop stopped, if it failed."""
+        """Why the engine stopped, if it failed."""
         return self._dead
 
     @property
+    def pid(self) -> int | None:
+        """The engine process's id (None when the core runs in this process)."""
+        return self._core.pid if isinstance(self._core, _CoreProcess) else None
+
+    @property
     def num_unfinished(self) -> int:
-        with self._lock:
-            return len(self._streams)
+        return len(self._streams)
 
     @property
     def model_info(self) -> ModelInfo:
-        return self.core.model
+        return self.model
 
     def load(self) -> EngineLoad:
         return self._load
@@ -140,29 +265,18 @@ class AsyncEngine(TokenizerOps):
     def step_logs(self) -> dict[str, LocalStepLog]:
         return {"engine": LocalStepLog(self.step_log, self.load)}
 
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        return self.core.tokenizer
-
-    async def abort(self, request_id: str) -> None:
-        """End a request wherever it is, freeing its KV blocks; a reader of its
-        stream gets RequestAbortedError."""
-        with self._lock:
-            self._inbox.append(("abort", request_id))
-            self._lock.notify()
-
     async def generate(self, prompt: PromptType, params: SamplingParams | BeamSearchParams, *,
                        request_id: str | None = None, stream: bool = True, **scheduling: Any
                        ) -> AsyncIterator[RequestOutput]:
         """A request's outputs until it finishes: deltas at every step with news
         when ``stream``, else one final output. ``scheduling`` takes the
-        options of ``EngineCore.prepare_request`` (priority, tenant, deadline_ms,
+        options of ``InputProcessor.prepare`` (priority, tenant, deadline_ms,
         expected_output_tokens, cache_salt, background). Raises ValueError for
         bad input, QueueFullError under backpressure, QueueTimeoutError when it
-        waited too long, RequestFailedError when handling its results failed. Closing the
-        iterator early (a client went away) aborts the request."""
-        if self._dead is not None:
-            raise EngineDeadError(str(self._dead))
+        waited too long, RequestFailedError when handling its results failed,
+        EngineDeadError when the engine stopped. Closing the iterator early (a
+        client went away) aborts the request."""
+        self._check_alive()
         interactive = not scheduling.get("background", False)
         if (interactive and self.max_waiting_requests is not None
                 and self.num_waiting >= self.max_waiting_requests):
@@ -174,23 +288,29 @@ class AsyncEngine(TokenizerOps):
                                  "requests waiting")
         # Tokenizing a long prompt takes a while: keep it off the event loop.
         kind = OutputKind.DELTA if stream else OutputKind.FINAL
-        prepared = await asyncio.to_thread(self.core.prepare_request, prompt, params,
+        prepared = await asyncio.to_thread(self.input.prepare, prompt, params,
                                            request_id=request_id, kind=kind, **scheduling)
+        self._start_pump()
+        self._check_alive()
         rid = prepared.request_id
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            if rid in self._streams:
-                raise ValueError(f"request_id {rid!r} is already in use")
-            self._streams[rid] = stream
-            self._inbox.append(("add", prepared))
-            if interactive:
-                self.num_waiting += 1
-                self.waiting_by_tenant[tenant] = self.waiting_by_tenant.get(tenant, 0) + 1
-            self._lock.notify()
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[rid] = _Stream(asyncio.get_running_loop(), queue)
+        core = prepared.core
+        self.output.add(core, prepared.prompt, prepared.kind)
+        self._send(AddRequest(core))
+        self._in_transit.append((interactive, tenant))
+        self._num_sent += 1
+        if interactive:
+            self.num_waiting += 1
+            self.waiting_by_tenant[tenant] = self.waiting_by_tenant.get(tenant, 0) + 1
+        self.step_log.submitted(rid, core.sequence_ids, len(core.prompt_token_ids),
+                                core.arrival_time, core.tenant, core.priority, core.background)
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -202,136 +322,194 @@ class AsyncEngine(TokenizerOps):
                     finished = True
                     return
         finally:
-            with self._lock:
-                self._streams.pop(rid, None)
-                if not finished:
-                    self._inbox.append(("abort", rid))
-                    self._lock.notify()
+            self._streams.pop(rid, None)
+            if not finished:
+                self._abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        """End a request wherever it is, freeing its KV blocks; a reader of its
+        stream gets RequestAbortedError."""
+        self._start_pump()
+        self._abort(request_id)
 
     async def reset_prefix_cache(self) -> int:
         """Forget the prefix cache; returns how many cached blocks were forgotten."""
-        return await self.run_in_loop(lambda core: core.reset_prefix_cache())
+        return await self._call("reset_prefix_cache")
 
     async def cached_block_hashes(self) -> list[bytes]:
         """The hashes of the blocks in the prefix cache (for routers)."""
-        return await self.run_in_loop(lambda core: core.kv_cache.cached_block_hashes())
-
-    async def run_in_loop(self, fn: Callable[[EngineCore], T]) -> T:
-        """``fn(core)``, run by the loop thread between two steps."""
-        if self._dead is not None or self._stopping:
-            raise EngineDeadError(str(self._dead or "the engine is shutting down"))
-        done: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            self._inbox.append(("call", (fn, done)))
-            self._lock.notify()
-        return await asyncio.wrap_future(done)
+        return await self._call("cached_block_hashes")
 
     def shutdown(self, timeout: float = 0.0) -> None:
         """Wait up to ``timeout`` seconds for in-flight requests, then stop the
-        loop; requests still running end with an error."""
+        core; requests still running end with an error. Any thread."""
         deadline = time.monotonic() + timeout
-        while self.num_unfinished and time.monotonic() < deadline:
+        while self._streams and self._dead is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        with self._lock:
-            self._stopping = True
-            self._lock.notify()
-        self._thread.join(timeout=10)
-
-    # ---------------------------------------------------------- loop thread
-    def _run(self, config: EngineConfig, build: Callable[[EngineConfig], EngineCore]) -> None:
-        try:
-            self.core = build(config)
-        except BaseException as e:  # noqa: BLE001 - re-raised by __init__
-            self._build_error = e
+        if self._stopping:
             return
-        finally:
-            self._built.set()
-        core = self.core
-        self.step_log.capacity = core.scheduler.max_num_seqs
-        try:
-            while True:
-                with self._lock:
-                    while not (self._inbox or self._stopping or core.has_unfinished_requests()):
-                        self._lock.wait()
-                    if self._stopping:
-                        break
-                    inbox, self._inbox = self._inbox, []
-                for kind, item in inbox:
-                    if kind == "add":
-                        self._submit(item)
-                    elif kind == "abort":
-                        self._abort(item)
-                    else:  # "call"
-                        fn, done = item
-                        try:
-                            done.set_result(fn(core))
-                        except Exception as e:  # noqa: BLE001 - the caller's to handle
-                            done.set_exception(e)
-                if self.max_queue_wait is not None:
-                    for rid in core.abort_waiting_older_than(self.max_queue_wait):
-                        self._fail(rid, QueueTimeoutError(
-                            f"request waited more than max_queue_wait={self.max_queue_wait} s "
-                            "without being scheduled"))
-                        self.step_log.ended(rid, [], "timed out in the queue")
-                if core.has_unfinished_requests():
-                    outputs = core.step()
-                    self._deliver(outputs)
-                    self.step_log.stepped(core.last_step)
-                    if self._on_step is not None:
-                        self._on_step(core.last_step)
-                # After every pass, steps or not: an abort on an idle engine
-                # shows at once.
-                self._load = core.load()
-                with self._lock:
-                    queued = sum(kind == "add" and not item.sequences[0].background
-                                 for kind, item in self._inbox)
-                self.num_waiting = (self._load.num_waiting - self._load.num_background_waiting
-                                    + queued)
-                if self.max_waiting_per_tenant is not None:
-                    self.waiting_by_tenant = Counter(r.tenant for r in core.scheduler.policy
-                                                     if not r.background)
-        except BaseException as e:  # noqa: BLE001 - every stream must hear of it
-            logger.exception("the engine loop failed")
-            self._dead = e
-        error = EngineDeadError(f"the engine stopped: {self._dead or 'shutting down'}")
-        with self._lock:
-            streams = list(self._streams.values())
-            unanswered = [item[1] for kind, item in self._inbox if kind == "call"]
-        for done in unanswered:
-            done.set_exception(error)
-        for stream in streams:
-            stream.put(error)
+        self._stopping = True
+        if self._dead is None:
+            self._send(Shutdown())
+        self._core.stop(30)
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+        self._close()
 
-    def _submit(self, prepared: PreparedRequest) -> None:
-        try:
-            self.core.submit(prepared)
-        except ValueError as e:
-            self._fail(prepared.request_id, e)
-            return
-        first = prepared.sequences[0]
-        self.step_log.submitted(prepared.request_id, [s.request_id for s in prepared.sequences],
-                                len(prepared.prompt_token_ids), first.arrival_time, first.tenant,
-                                first.priority, first.background)
+    def _close(self) -> None:
+        self._ops.close(linger=0)
+        self._events.close(linger=0)
+        self._context.term()
+        if self._socket_dir is not None:
+            self._socket_dir.cleanup()
+
+    # ------------------------------------------------------- inside the loop
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
+    def _send(self, op: CoreOp) -> None:
+        with self._send_lock:
+            self._ops.send(self._encoder.encode(op))
 
     def _abort(self, request_id: str) -> None:
-        sequences = self.core.output_processor.sequence_ids(request_id)
-        ended = len(sequences)
-        self.core.abort_request(request_id)
-        if ended and self._on_abort is not None:
-            self._on_abort(ended)
-        if ended:
-            self.step_log.ended(request_id, list(sequences), "aborted")
-            self._fail(request_id, RequestAbortedError(f"request {request_id!r} was aborted"))
+        if request_id not in self.output:
+            return
+        sequences = self.output.unfinished_sequences(request_id)
+        self.output.remove(request_id)
+        if self._dead is None and not self._stopping:
+            self._send(AbortRequests([request_id]))
+        if sequences and self._on_abort is not None:
+            self._on_abort(len(sequences))
+        self.step_log.ended(request_id, sequences, "aborted")
+        self._fail(request_id, RequestAbortedError(f"request {request_id!r} was aborted"))
+
+    async def _call(self, method: str) -> Any:
+        self._check_alive()
+        self._start_pump()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send(UtilityCall(call_id, method))
+        return await future
+
+    def _start_pump(self) -> None:
+        """Read the core's events in the running loop (a new loop gets a new
+        reader: tests run several)."""
+        loop = asyncio.get_running_loop()
+        if self._pump is not None and self._loop is loop and not self._pump.done():
+            return
+        self._loop = loop
+        self._pump = loop.create_task(self._read_events(zmq.asyncio.Socket.from_socket(
+            self._events)))
+
+    async def _read_events(self, events: zmq.asyncio.Socket) -> None:
+        while self._dead is None and not self._stopping:
+            try:
+                event = self._decoder.decode(await events.recv())
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if isinstance(event, CoreOutputs):
+                self._take(event)
+            elif isinstance(event, UtilityReply):
+                future = self._calls.pop(event.call_id, None)
+                if future is not None and not future.done():
+                    if event.error is not None:
+                        future.set_exception(RuntimeError(event.error))
+                    else:
+                        future.set_result(event.result)
+            elif isinstance(event, CoreFailed):
+                self._die(event.message)
+
+    def _take(self, outputs: CoreOutputs) -> None:
+        """One step's (or one pass's) outputs: answers to the streams, stop-string
+        finishes and failed requests back to the core, the load, the step log."""
+        self._load = outputs.load
+        while self._num_sent - len(self._in_transit) < outputs.num_added:
+            self._in_transit.popleft()
+        if outputs.waiting_by_tenant is not None:
+            self._core_waiting = dict(outputs.waiting_by_tenant)
+        self._count_waiting()
+        done = self.output.process(outputs)
+        if done.stops:
+            self._send(FinishSequences(done.stops))
+        if done.failed:
+            self._send(AbortRequests(done.failed))
+        for rid, (why, message) in done.ended.items():
+            if why == "failed":
+                continue  # (its output carries the error)
+            sequences = self.output.unfinished_sequences(rid)
+            self.output.remove(rid)
+            if why == "timeout":
+                self.step_log.ended(rid, [], "timed out in the queue")
+                self._fail(rid, QueueTimeoutError(
+                    f"request waited more than max_queue_wait={self.max_queue_wait} s "
+                    "without being scheduled"))
+            else:
+                self.step_log.ended(rid, sequences, "refused")
+                self._fail(rid, ValueError(message))
+        for output in done.outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+        if outputs.stats is not None:
+            self.step_log.stepped(outputs.stats)
+            if self._on_step is not None:
+                self._on_step(outputs.stats)
+
+    def _count_waiting(self) -> None:
+        transit = [(i, t) for i, t in self._in_transit if i]
+        self.num_waiting = (self._load.num_waiting - self._load.num_background_waiting
+                            + len(transit))
+        if self.max_waiting_per_tenant is not None:
+            counts = Counter(self._core_waiting)
+            counts.update(t for _, t in transit)
+            self.waiting_by_tenant = dict(counts)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
+        stream = self._streams.get(request_id)
         if stream is not None:
             stream.put(error)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        with self._lock:
-            targets = [(self._streams.get(o.request_id), o) for o in outputs]
-        for stream, output in targets:
-            if stream is not None:
-                stream.put(output)
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream.put(error)
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.get_loop().call_soon_threadsafe(_set_exception, future, error)
+        self._calls.clear()
+
+    def _die(self, message: str) -> None:
+        """The engine stopped on its own: every request hears of it."""
+        if self._dead is not None or self._stopping:
+            return
+        logger.error("the engine stopped: %s", message)
+        self._dead = EngineDeadError(f"the engine stopped: {message}")
+        self._fail_all(self._dead)
+        if self._on_dead is not None:
+            self._on_dead()
+
+    def _watch(self) -> None:
+        """(A thread) the engine process's end, whenever it comes."""
+        self._core.process.wait()
+        if not self._stopping:
+            code = self._core.process.returncode
+            self._die(f"the engine process exited with status {code}" if code >= 0
+                      else f"the engine process was killed by signal {-code}")
+
+
+class _Stream:
+    """A request's queue of outputs, in the loop of the caller reading it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.loop = loop
+        self.queue = queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -6,32 +6,13 @@ so the server never reaches into an engine's internals."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from inflight.core.beam_search import BeamSearchParams
 from inflight.core.sampling_params import SamplingParams
+from inflight.engine.messages import EngineLoad, ModelInfo
 from inflight.engine.output import RequestOutput
 from inflight.model.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    max_model_len: int
-    vocab_size: int
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """What an autoscaler or a router reads: a snapshot, current to within one
-    engine step (and refreshed after aborts on an idle engine)."""
-
-    num_waiting: int = 0
-    num_background_waiting: int = 0  # of which background (batch) requests
-    num_running: int = 0
-    kv_cache_usage: float = 0.0   # fraction of KV blocks held by requests
-    num_cached_blocks: int = 0    # blocks findable in the prefix cache
 
 
 class StepLogSource(Protocol):

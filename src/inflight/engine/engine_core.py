@@ -1,95 +1,61 @@
-"""EngineCore: the continuous-batching loop, one ``step()`` at a time.
+"""EngineCore: the continuous-batching loop, one ``step()`` at a time, in tokens.
 
 ``step()`` = schedule -> the runner moves KV blocks and computes the mixed
 batch -> the scheduler applies the accepted tokens (finishing and freeing what
-hit a stop condition) -> the output processor detokenizes and returns the
-outputs of every request that progressed.
+hit a token-level stop) -> per sequence, the tokens it gained
+(``engine.messages.CoreOutputs``).
 
-The core is built from parts: a scheduler (``core/``), a runner (anything
-that implements ``worker.runner.Runner``: the real model, a stub, a cost model)
-and an output processor. ``engine.factory.build_engine_core`` makes them from
-an EngineConfig.
+The core knows no text: a front end (``engine.llm_engine`` in the same thread,
+``engine.core_client`` in another process) validates and tokenizes requests
+(``engine.input``), and turns the core's outputs into text and answers
+(``engine.output``); it tells the core when a sequence met a stop string
+(``finish_sequence``) or a request was given up (``abort_requests``).
+
+The core is built from parts: a scheduler (``core/``) and a runner (anything
+that implements ``worker.runner.Runner``: the real model, a stub, a cost
+model); ``engine.factory.build_engine_core`` makes them from an EngineConfig.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from inflight.core.beam_search import BeamSearch, BeamSearchParams
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.request import FinishReason, Request
 from inflight.core.sampling_params import SamplingParams
 from inflight.core.scheduler import Clock, Scheduler
-from inflight.engine.client import EngineLoad, ModelInfo
-from inflight.engine.output import OutputKind, OutputProcessor, RequestOutput
-from inflight.model.tokenizer import Tokenizer
-from inflight.spec_decode.speculator import Speculator, SpecStats
-from inflight.worker.runner import Runner
+from inflight.engine.messages import (BeamOutput, CoreOutputs, CoreRequest, EngineLoad,
+                                      ModelInfo, RequestEnded, SequenceOutput, SequenceTiming)
+from inflight.engine.step_stats import StepStats
+from inflight.spec_decode.speculator import Speculator
+from inflight.worker.runner import Runner, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict[str, Any]
+
+@dataclass
+class _Tracked:
+    """A request the core runs: its sequences (all samples) or its beam search
+    (with the first beam, whose figures stand for the search's)."""
+
+    sequence_ids: list[str]
+    search: BeamSearch | None = None
+    leader: Request | None = None
+    live: int = 0  # sequences not yet reported finished
 
 
 @dataclass
-class PreparedRequest:
-    """A validated, tokenized request, ready for ``EngineCore.submit``."""
-
+class _Sequence:
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[Request]
-    kind: OutputKind
-    params: SamplingParams | BeamSearchParams
-
-
-@dataclass
-class StepStats:
-    """What one ``step()`` did, for benchmarks and metrics."""
-
-    num_requests: int = 0        # requests in the batch (not counting padding)
-    num_padding: int = 0         # finished static-batch members computed as padding
-    num_tokens: int = 0          # tokens computed
-    num_prompt_tokens: int = 0   # of which prompt (prefill) tokens
-    num_running: int = 0         # after the step
-    num_waiting: int = 0
-    num_preempted: int = 0
-    seconds: float = 0.0
-    request_ids: list[str] = field(default_factory=list)  # the batch, in order
-    # Per row of ``request_ids``: tokens computed, of those prompt tokens (a row
-    # with prompt tokens ran a prompt chunk), and tokens computed before the step.
-    new_tokens: list[int] = field(default_factory=list)
-    prompt_tokens: list[int] = field(default_factory=list)
-    computed_before: list[int] = field(default_factory=list)
-    padding_ids: list[str] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    kv_cache_usage: float = 0.0
-    # Prompt tokens looked up in the prefix cache at admission, and found there.
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    # Per-sequence events of the step, for latency metrics:
-    generation_tokens: int = 0
-    # (time to first token, time queued before first scheduled, prompt tokens),
-    # and the sequences they belong to
-    first_tokens: list[tuple[float, float, int]] = field(default_factory=list)
-    first_token_ids: list[str] = field(default_factory=list)
-    inter_token_latencies: list[float] = field(default_factory=list)
-    # (finish reason, end-to-end seconds, prompt tokens, generated tokens), and
-    # the sequences they belong to (a beam search's request id, once)
-    finished: list[tuple[str, float, int, int]] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)
-    # Beams that left the batch: dropped by their search or ended with it.
-    ended_beam_ids: list[str] = field(default_factory=list)
-    spec: SpecStats | None = None  # drafts verified (speculative decoding)
+    sent: int = 0                # output tokens reported so far
+    timed: bool = False          # its first timing was reported
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: Runner, output_processor: OutputProcessor,
-                 *, model: ModelInfo, tokenizer: Tokenizer | None,
+    def __init__(self, scheduler: Scheduler, runner: Runner, *, model: ModelInfo,
                  eos_token_ids: frozenset[int] = frozenset(), clock: Clock = time.time,
                  speculator: Speculator | None = None) -> None:
         """The parts must agree: the scheduler's KV manager holds the runner's
@@ -98,14 +64,15 @@ class EngineCore:
         self.scheduler = scheduler
         self.speculator = speculator
         self.runner = runner
-        self.output_processor = output_processor
         self.model = model
-        self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.clock = clock
-        self._ids = itertools.count()
         self.last_step = StepStats()
         self.load_seconds = 0.0  # set by the factory
+        self._requests: dict[str, _Tracked] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        # Requests ended between steps (queue timeouts), for the next outputs.
+        self._ended: list[RequestEnded] = []
 
     @property
     def kv_cache(self) -> KVCacheManager:
@@ -124,130 +91,48 @@ class EngineCore:
                           num_cached_blocks=self.kv_cache.num_cached_blocks)
 
     # -------------------------------------------------------------- requests
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Prompt text (if any) and token ids, or ValueError naming the problem."""
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown:
-                raise ValueError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt must be token ids when skip_tokenizer_init is set")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list):
-            return None, self._check_token_ids(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict with "
-                         f"'prompt_token_ids', got {type(prompt).__name__}")
-
-    def _check_token_ids(self, ids: Any) -> list[int]:
-        vocab = self.model.vocab_size
-        if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        if not ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})")
-        return ids
-
-    def add_request(self, prompt: PromptType,
-                    params: SamplingParams | BeamSearchParams | None = None, *,
-                    request_id: str | None = None, kind: OutputKind = OutputKind.FINAL,
-                    **scheduling: Any) -> str:
-        """Queue a request (``params.n`` sequences over one prompt, or a beam
-        search with BeamSearchParams); returns its id.
-        ``step()`` reports it as ``kind`` says: at every step with news (DELTA),
-        or once finished (FINAL). Scheduling options are those of
-        ``prepare_request``. Raises ValueError, queueing nothing, if it can
+    def add_request(self, request: CoreRequest) -> None:
+        """Queue a request (``n`` sequences over one prompt, or a beam search).
+        Raises ValueError, queueing nothing, if its id is in use or it can
         never run."""
-        prepared = self.prepare_request(prompt, params, request_id=request_id, kind=kind,
-                                        **scheduling)
-        self.submit(prepared)
-        return prepared.request_id
-
-    def prepare_request(self, prompt: PromptType,
-                        params: SamplingParams | BeamSearchParams | None = None, *,
-                        request_id: str | None = None, kind: OutputKind = OutputKind.FINAL,
-                        arrival_time: float | None = None, priority: int = 0,
-                        tenant: str | None = None, deadline_ms: float | None = None,
-                        expected_output_tokens: int | None = None,
-                        cache_salt: str | None = None, background: bool = False
-                        ) -> PreparedRequest:
-        """Validate and tokenize a request without touching the engine's state (so
-        any thread may call it); ``submit`` queues the result.
-
-        ``priority``: lower runs first (priority policy); ``tenant``: whose share
-        it counts against (fair policy); ``deadline_ms``: due this long after
-        arrival (deadline policy); ``expected_output_tokens``: its expected
-        length, for shortest-job-first (``max_tokens`` otherwise);
-        ``cache_salt``: shares cached KV only with requests of the same salt;
-        ``background``: batch work, run only in capacity that interactive
-        requests leave idle (``core.background``)."""
-        params = SamplingParams() if params is None else params
-        beam = isinstance(params, BeamSearchParams)
-        if not (beam or isinstance(params, SamplingParams)):
-            raise ValueError(f"sampling params must be a SamplingParams or BeamSearchParams, "
-                             f"got {type(params).__name__}")
-        if not beam and params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
-        text, ids = self.tokenize_prompt(prompt)
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len="
-                             f"{self.max_model_len}")
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        max_tokens = max(1, self.max_model_len - len(ids))
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if deadline_ms is not None and (isinstance(deadline_ms, bool) or not isinstance(
-                deadline_ms, (int, float)) or not 0 < deadline_ms < 1e12):
-            raise ValueError(f"deadline_ms must be a positive number, got {deadline_ms!r}")
-        if expected_output_tokens is not None and (
-                not isinstance(expected_output_tokens, int) or expected_output_tokens < 1):
-            raise ValueError(f"expected_output_tokens must be an integer >= 1, "
-                             f"got {expected_output_tokens!r}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        if not isinstance(background, bool):
-            raise ValueError(f"background must be true or false, got {background!r}")
-        arrival = self.clock() if arrival_time is None else arrival_time
-        deadline = None if deadline_ms is None else arrival + deadline_ms / 1000
-        scheduling = (arrival, priority, tenant, deadline, expected_output_tokens, cache_salt,
-                      background)
-        if beam:
-            leader = self._beam_leader(request_id, ids, params, max_tokens, scheduling)
-            return PreparedRequest(request_id, text, ids, [leader], OutputKind.FINAL, params)
-        count = params.num_samples
-        ranked = count > params.n  # best_of: each sample's log-probabilities are needed
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        scheduling = (request.arrival_time, request.priority, request.tenant, request.deadline,
+                      request.expected_output_tokens, request.cache_salt, request.background)
+        ids = request.sequence_ids
+        if request.beam is not None:
+            leader = self._beam_leader(rid, ids[0], request, scheduling)
+            self.scheduler.add_request(leader)
+            self._requests[rid] = _Tracked(ids, leader.beam, leader)
+            return
+        params = request.sampling
+        ranked = params.num_samples > params.n  # best_of: each sample's log-probabilities
         sequences = []
-        for i in range(count):
+        for i, seq_id in enumerate(ids):
             seq_params = params
-            if count > 1:
+            if len(ids) > 1:
                 seq_params = SamplingParams(**{
                     **vars(params), "n": 1, "best_of": None,
                     "seed": None if params.seed is None else params.seed + i,
                     "logprobs": 0 if ranked and params.logprobs is None else params.logprobs})
-            seq_id = request_id if count == 1 else f"{request_id}#{i}"
-            sequences.append(Request(seq_id, ids, seq_params, max_tokens, self.eos_token_ids,
-                                     *scheduling))
-        return PreparedRequest(request_id, text, ids, sequences, kind, params)
+            sequences.append(Request(seq_id, request.prompt_token_ids, seq_params,
+                                     request.max_tokens, self.eos_token_ids, *scheduling))
+        self.scheduler.add_request(sequences[0], sequences[1:])
+        self._requests[rid] = _Tracked(ids, live=len(ids))
+        for seq_id in ids:
+            self._sequences[seq_id] = _Sequence(rid)
 
-    def _beam_leader(self, request_id: str, ids: list[int], params: BeamSearchParams,
-                     max_tokens: int, scheduling: tuple[Any, ...]) -> Request:
+    def _beam_leader(self, request_id: str, leader_id: str, request: CoreRequest,
+                     scheduling: tuple) -> Request:
         """The first beam of a beam search: greedy rows that ask the sampler for
         as many top log-probabilities as the search looks at per step."""
-        leader_params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+        params: BeamSearchParams = request.beam
+        leader_params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens,
                                        ignore_eos=params.ignore_eos, speculative=False)
-        leader = Request(f"{request_id}#beam0", ids, leader_params, max_tokens,
+        leader = Request(leader_id, request.prompt_token_ids, leader_params, request.max_tokens,
                          self.eos_token_ids, *scheduling)
-        search = BeamSearch(request_id, params, max_tokens, leader.stop_token_ids)
+        search = BeamSearch(request_id, params, request.max_tokens, leader.stop_token_ids)
         if search.num_candidates > self.model.vocab_size:
             raise ValueError(f"beam_width {search.width} looks at {search.num_candidates} "
                              f"tokens per step, more than the vocabulary's "
@@ -257,34 +142,94 @@ class EngineCore:
         search.start(leader)
         return leader
 
-    def submit(self, prepared: PreparedRequest) -> None:
-        """Queue a prepared request; ValueError if its id is in use."""
-        if (prepared.request_id in self.scheduler.requests
-                or self.output_processor.sequence_ids(prepared.request_id)):
-            raise ValueError(f"request_id {prepared.request_id!r} is already in use")
-        self.scheduler.add_request(prepared.sequences[0], prepared.sequences[1:])
-        self.output_processor.add(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
-                                  prepared.sequences, prepared.kind, prepared.params)
+    def abort_requests(self, request_ids: list[str]) -> int:
+        """Cancel requests wherever they are; their KV blocks return to the pool
+        now. Returns how many sequences that ended."""
+        ended = 0
+        for rid in request_ids:
+            tracked = self._requests.pop(rid, None)
+            if tracked is None:
+                continue
+            if tracked.search is not None:
+                ids = [b.request_id for b in tracked.search.live]
+            else:
+                ids = [s for s in tracked.sequence_ids
+                   if self._sequences.pop(s, None) is not None]
+            ended += len(self.scheduler.finish_requests(ids, FinishReason.ABORT))
+        return ended
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
-        """Cancel requests; their KV blocks return to the pool now."""
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.scheduler.finish_requests(self.output_processor.remove(rid), FinishReason.ABORT)
+    def finish_sequence(self, sequence_id: str, stop: str) -> None:
+        """End a sequence whose text met the stop string ``stop`` (the front end
+        found it, and reported the finish)."""
+        seq = self._sequences.pop(sequence_id, None)
+        if seq is None:
+            return
+        for request in self.scheduler.finish_requests(sequence_id, FinishReason.STOP):
+            request.stop_reason = stop
+        self._sequence_done(seq.request_id)
 
-    def _finish_sequence(self, sequence: Request, reason: FinishReason, stop: str | None) -> None:
-        """End one sequence for the output processor (a stop string, a failure)."""
-        self.scheduler.finish_requests(sequence.request_id, reason)
-        if stop is not None:
-            sequence.stop_reason = stop
+    def _sequence_done(self, request_id: str) -> None:
+        tracked = self._requests.get(request_id)
+        if tracked is not None:
+            tracked.live -= 1
+            if tracked.live <= 0:
+                del self._requests[request_id]
+
+    def request_id_of(self, sequence_id: str) -> str | None:
+        seq = self._sequences.get(sequence_id)
+        return None if seq is None else seq.request_id
+
+    def sequence_ids(self, request_id: str) -> list[str]:
+        """The live sequences of a request (a beam search's live beams)."""
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            return []
+        if tracked.search is not None:
+            return [b.request_id for b in tracked.search.live]
+        return [s for s in tracked.sequence_ids if s in self._sequences]
+
+    def abort_waiting_older_than(self, seconds: float, now: float | None = None) -> list[str]:
+        """Abort the interactive requests that have waited longer than
+        ``seconds`` without being scheduled (background ones wait for idle
+        capacity as long as it takes); returns their ids. The front end hears
+        of them as ended with ``timeout``."""
+        now = self.clock() if now is None else now
+        expired = {r.beam.request_id if r.beam is not None else self.request_id_of(r.request_id)
+                   for r in self.scheduler.policy
+                   if r.first_scheduled_time is None and not r.background
+                   and now - r.arrival_time > seconds}
+        expired.discard(None)
+        ids = sorted(expired)
+        self.abort_requests(ids)
+        self._ended += [RequestEnded(rid, "timeout", f"waited more than {seconds} s "
+                                             "without being scheduled") for rid in ids]
+        return ids
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached KV blocks; returns how many were forgotten."""
+        return self.kv_cache.reset_prefix_cache()
 
     # ------------------------------------------------------------------ step
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the outputs of DELTA requests that got
-        tokens and of requests that finished. ``last_step`` describes the step.
-        A failure of one request's results ends that request with an error; only
+    def record_ended(self, ended: RequestEnded) -> None:
+        """Tell the front end, with the next outputs, of a request that ended
+        (or was refused) outside a step."""
+        self._ended.append(ended)
+
+    def take_pending(self) -> CoreOutputs | None:
+        """What happened since the last step that the front end has not heard
+        of (requests timed out in the queue), or None."""
+        if not self._ended:
+            return None
+        ended, self._ended = self._ended, []
+        return CoreOutputs([], [], ended, None, self.load())
+
+    def step(self) -> CoreOutputs:
+        """Run one iteration; returns what every sequence gained, the beam
+        searches that ended and the step's stats (also ``last_step``). A
+        failure of one request's results ends that request with an error; only
         a failure of the runner itself propagates."""
         start = time.perf_counter()
         kv = self.kv_cache
@@ -295,17 +240,20 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.forget(out.finished_request_ids)
         self.runner.move_blocks(out)
+        ended, self._ended = self._ended, []
         if not out.requests:
             # Nothing to compute; preemptions (all of the batch gave way) still count.
-            self.last_step = StepStats(num_waiting=self.scheduler.num_waiting,
-                                       num_running=self.scheduler.num_running,
-                                       num_preempted=len(out.preempted_request_ids),
-                                       preempted_ids=list(out.preempted_request_ids),
-                                       kv_cache_usage=kv.usage)
-            searches = self.scheduler.pop_finished_searches()
-            self._record_finished(self.last_step, out.expired, searches)
-            return self.output_processor.process([], {}, out.expired, {}, self._finish_sequence,
-                                                 searches)
+            stats = StepStats(num_waiting=self.scheduler.num_waiting,
+                              num_running=self.scheduler.num_running,
+                              num_preempted=len(out.preempted_request_ids),
+                              preempted_ids=list(out.preempted_request_ids),
+                              kv_cache_usage=kv.usage)
+            searches = self._ended_searches()
+            self._record_finished(stats, out.expired, searches)
+            stats.end_time = self.clock()
+            self.last_step = stats
+            return CoreOutputs(self._outputs([], {}, out.expired),
+                               self._beam_outputs(searches), ended, stats, self.load())
         live = [(r, n) for r, n in zip(out.requests, out.num_new_tokens) if not r.padding]
         computed_before = [r.num_computed_tokens for r, _ in live]
         row_prompt_tokens = [min(n, max(0, r.num_prompt_tokens - done))
@@ -321,17 +269,10 @@ class EngineCore:
         updated = self.scheduler.update_from_output(out, result.new_token_ids, beam_rows)
         logprobs = {out.requests[row].request_id: lp for row, lp in result.logprobs.items()
                     if row not in beam_rows}
-        failed = {}
+        failed: list[Request] = []
         for row, message in result.errors.items():
-            seq = out.requests[row]
-            if seq.beam is None:
-                failed[seq.request_id] = message
-            else:  # the whole search ends with the error
-                self.scheduler.finish_requests(seq.request_id, FinishReason.ERROR)
-                seq.beam.error = message
-        searches = self.scheduler.pop_finished_searches()
-        outputs = self.output_processor.process(updated, logprobs, out.expired, failed,
-                                                self._finish_sequence, searches)
+            failed += self._fail(out.requests[row], message, ended)
+        searches = self._ended_searches()
         stats = StepStats(
             num_requests=len(live_ids), num_padding=len(padding_ids),
             num_tokens=out.total_num_tokens,
@@ -359,15 +300,87 @@ class EngineCore:
         if self.speculator is not None:
             stats.spec = self.speculator.end_step(out, result.new_token_ids, updated,
                                                   stats.seconds, propose_seconds)
-        ended = [*out.expired, *(s for s in updated if s.is_finished)]
-        if failed:
-            ended += [r for r in out.requests if r.request_id in failed]
-        self._record_finished(stats, ended, searches)
+        self._record_finished(stats, [*out.expired, *(s for s in updated if s.is_finished),
+                                      *failed], searches)
+        stats.end_time = self.clock()
         self.last_step = stats
+        return CoreOutputs(self._outputs(updated, logprobs, [*out.expired, *failed]),
+                           self._beam_outputs(searches), ended, stats, self.load())
+
+    def _fail(self, sequence: Request, message: str, ended: list[RequestEnded]) -> list[Request]:
+        """A row whose results could not be computed: its whole request ends with
+        reason error (a beam search with it). Returns the sequences ended."""
+        if sequence.beam is not None:
+            sequence.beam.error = message
+            self.scheduler.finish_requests(sequence.request_id, FinishReason.ERROR)
+            return []
+        rid = self.request_id_of(sequence.request_id)
+        if rid is None:
+            return []
+        ids = [s for s in self._requests[rid].sequence_ids if s in self._sequences]
+        ended.append(RequestEnded(rid, "failed", message))
+        return self.scheduler.finish_requests(ids, FinishReason.ERROR)
+
+    def _outputs(self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]],
+                 ended: list[Request]) -> list[SequenceOutput]:
+        """Each sequence's news: the tokens it gained (with their logprobs), and
+        its end."""
+        outputs = []
+        for seq in [*updated, *ended]:
+            state = self._sequences.get(seq.request_id)
+            if state is None:  # a beam, or already reported finished
+                continue
+            new = seq.all_token_ids[seq.num_prompt_tokens + state.sent:]
+            state.sent += len(new)
+            lps = logprobs.get(seq.request_id)
+            timing = None
+            if seq.is_finished:
+                timing = self._timing(seq, final=True)
+            elif new and not state.timed:
+                timing = self._timing(seq, final=False)
+            state.timed = state.timed or timing is not None
+            outputs.append(SequenceOutput(
+                seq.request_id, new, lps[:len(new)] if lps is not None else None,
+                seq.finish_reason.value if seq.is_finished else None,
+                seq.stop_reason if seq.is_finished else None, timing))
+            if seq.is_finished:
+                del self._sequences[seq.request_id]
+                self._sequence_done(state.request_id)
+        return outputs
+
+    @staticmethod
+    def _timing(seq: Request, final: bool) -> SequenceTiming:
+        timing = SequenceTiming(seq.first_scheduled_time, seq.first_token_time,
+                                seq.num_cached_tokens)
+        if final:
+            timing.finished_time = seq.finished_time
+            timing.num_preemptions = seq.num_preemptions
+            timing.history = list(seq.history)
+        return timing
+
+    def _ended_searches(self) -> list[tuple[BeamSearch, Request]]:
+        """The beam searches that ended since the last step and are still the
+        caller's (an aborted one is not), each with its first beam."""
+        searches = []
+        for search in self.scheduler.pop_finished_searches():
+            tracked = self._requests.get(search.request_id)
+            if tracked is not None and tracked.search is search:
+                del self._requests[search.request_id]
+                searches.append((search, tracked.leader))
+        return searches
+
+    def _beam_outputs(self, searches: list[tuple[BeamSearch, Request]]) -> list[BeamOutput]:
+        outputs = []
+        for search, leader in searches:
+            finished = max((b.finished_time for b in search.live if b.finished_time),
+                           default=None)
+            timing = SequenceTiming(leader.first_scheduled_time, None, leader.num_cached_tokens,
+                                    finished, search.num_preemptions, list(leader.history))
+            outputs.append(BeamOutput(search.request_id, search.results(), timing, search.error))
         return outputs
 
     def _record_finished(self, stats: StepStats, finished: list[Request],
-                         searches: list[BeamSearch]) -> None:
+                         searches: list[tuple[BeamSearch, Request]]) -> None:
         """Note the sequences that ended, and each beam search once, by its best
         hypothesis (aborted ones are not noted, as aborted sequences are not)."""
         for seq in finished:
@@ -378,7 +391,7 @@ class EngineCore:
                 stats.finished_ids.append(seq.request_id)
         now = self.clock()
         stats.ended_beam_ids = self.scheduler.pop_ended_beams()
-        for search in searches:
+        for search, _ in searches:
             if search.end_reason is FinishReason.ABORT:
                 continue
             best = search.results()[:1]
@@ -386,21 +399,3 @@ class EngineCore:
                                    now - search.arrival_time, search.num_prompt_tokens,
                                    len(best[0].token_ids) if best else 0))
             stats.finished_ids.append(search.request_id)
-
-    def reset_prefix_cache(self) -> int:
-        """Forget all cached KV blocks; returns how many were forgotten."""
-        return self.kv_cache.reset_prefix_cache()
-
-    def abort_waiting_older_than(self, seconds: float, now: float | None = None) -> list[str]:
-        """Abort the interactive requests that have waited longer than
-        ``seconds`` without being scheduled (background ones wait for idle
-        capacity as long as it takes); returns their ids."""
-        now = self.clock() if now is None else now
-        expired = {r.beam.request_id if r.beam is not None
-                   else self.output_processor.request_id_of(r.request_id)
-                   for r in self.scheduler.policy
-                   if r.first_scheduled_time is None and not r.background
-                   and now - r.arrival_time > seconds}
-        expired.discard(None)
-        self.abort_request(sorted(expired))
-        return sorted(expired)

@@ -1,11 +1,15 @@
-"""Builds an EngineCore from an EngineConfig: the tokenizer and model facts,
-the runner (the real one unless another is passed in), the KV cache manager
-sized by the runner, the scheduler and its policy, the output processor."""
+"""Builds an EngineCore from an EngineConfig: the model facts, the runner (the
+real one unless another is passed in), the KV cache manager sized by the
+runner, the scheduler and its policy; and, for one thread, an LLMEngine: the
+core with a front end (tokenizer, input and output processing)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from inflight.config import EngineConfig
 from inflight.core.background import BackgroundTier
@@ -13,9 +17,9 @@ from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.policy import PolicyConfig, make_policy
 from inflight.core.scheduler import Clock, Scheduler
 from inflight.core.static_scheduler import StaticBatchScheduler
-from inflight.engine.client import ModelInfo
 from inflight.engine.engine_core import EngineCore
-from inflight.engine.output import OutputProcessor
+from inflight.engine.llm_engine import LLMEngine
+from inflight.engine.messages import ModelInfo
 from inflight.model.tokenizer import Tokenizer
 from inflight.spec_decode.config import SpeculativeConfig
 from inflight.spec_decode.speculator import Speculator
@@ -24,40 +28,69 @@ from inflight.worker.runner import Runner
 logger = logging.getLogger(__name__)
 
 
-def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
-                      runner: Runner | None = None, clock: Clock = time.time) -> EngineCore:
-    """``model_stub`` puts a no-op model in the real runner (benchmarks of the
-    machinery around the forward pass); ``runner`` replaces the real runner
-    altogether (a stub, a cost model)."""
-    # torch (through the weight loaders): only for an engine with a real model.
-    from inflight.model.loader import (eos_token_ids, model_display_name, read_model_config,
-                                       resolve_model_dir)
+@dataclass
+class ModelSource:
+    """A model's directory, its config, tokenizer (None with
+    skip_tokenizer_init) and EOS ids: what both a core and a front end need."""
 
-    start = time.perf_counter()
+    model_dir: Path
+    model_config: Any
+    tokenizer: Tokenizer | None
+    eos_token_ids: frozenset[int]
+
+
+def model_source(config: EngineConfig) -> ModelSource:
+    # torch (through the weight loaders): only for an engine with a real model.
+    from inflight.model.loader import eos_token_ids, read_model_config, resolve_model_dir
+
     model_dir = resolve_model_dir(config.model)
     model_config = read_model_config(model_dir)
     tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(model_dir)
-    eos = frozenset(eos_token_ids(model_dir, model_config, tokenizer))
+    return ModelSource(model_dir, model_config, tokenizer,
+                       frozenset(eos_token_ids(model_dir, model_config, tokenizer)))
+
+
+def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
+                      runner: Runner | None = None, clock: Clock = time.time,
+                      source: ModelSource | None = None) -> EngineCore:
+    """``model_stub`` puts a no-op model in the real runner (benchmarks of the
+    machinery around the forward pass); ``runner`` replaces the real runner
+    altogether (a stub, a cost model)."""
+    from inflight.model.loader import model_display_name
+
+    start = time.perf_counter()
+    source = model_source(config) if source is None else source
+    model_config, eos = source.model_config, source.eos_token_ids
     if runner is None:
         from inflight.worker.load import load_runner  # torch: only for the real runner
 
         stub_token = None
         if model_stub:
+            tokenizer = source.tokenizer
             special = eos | (tokenizer.special_token_ids if tokenizer else frozenset())
             stub_token = next(t for t in range(model_config.vocab_size) if t not in special)
-        runner = load_runner(config, model_dir, model_config, stub_token_id=stub_token)
+        runner = load_runner(config, source.model_dir, model_config, stub_token_id=stub_token)
     scheduler = build_scheduler(config, runner, clock)
     info = ModelInfo(name=model_display_name(config.model), max_model_len=runner.max_model_len,
                      vocab_size=model_config.vocab_size)
     speculator = None
     if config.speculative_config is not None:
         speculator = Speculator(SpeculativeConfig.parse(config.speculative_config))
-    core = EngineCore(scheduler, runner, OutputProcessor(tokenizer), model=info,
-                      tokenizer=tokenizer, eos_token_ids=eos, clock=clock,
+    core = EngineCore(scheduler, runner, model=info, eos_token_ids=eos, clock=clock,
                       speculator=speculator)
     core.load_seconds = time.perf_counter() - start
     logger.info("loaded %s in %.1f s", info.name, core.load_seconds)
     return core
+
+
+def build_llm_engine(config: EngineConfig, *, model_stub: bool = False,
+                     runner: Runner | None = None, clock: Clock = time.time) -> LLMEngine:
+    """An EngineCore with a front end in the same thread (``build_engine_core``'s
+    options)."""
+    source = model_source(config)
+    core = build_engine_core(config, model_stub=model_stub, runner=runner, clock=clock,
+                             source=source)
+    return LLMEngine(core, source.tokenizer, clock)
 
 
 def build_scheduler(config: EngineConfig, runner: Runner, clock: Clock) -> Scheduler:

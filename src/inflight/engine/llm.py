@@ -11,8 +11,8 @@ from tqdm import tqdm
 from inflight.config import EngineConfig
 from inflight.core.beam_search import BeamSearchParams
 from inflight.core.sampling_params import SamplingParams
-from inflight.engine.engine_core import PromptType
-from inflight.engine.factory import build_engine_core
+from inflight.engine.factory import build_llm_engine
+from inflight.engine.input import PromptType
 from inflight.engine.output import RequestOutput
 from inflight.model.tokenizer import Tokenizer
 
@@ -49,7 +49,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.config = EngineConfig.from_options(model=model, **options)
-        self.engine = build_engine_core(self.config)
+        self.engine = build_llm_engine(self.config)
 
     def get_tokenizer(self) -> Tokenizer:
         if self.engine.tokenizer is None:

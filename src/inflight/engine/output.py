@@ -1,6 +1,6 @@
-"""What the engine hands back per request, and how it gets there: incremental
-detokenization, stop strings, and the grouping of ``n`` samples under one
-request.
+"""What a front end hands back per request, and how it gets there from the
+core's tokens (``engine.messages.CoreOutputs``): incremental detokenization,
+stop strings, and the grouping of ``n`` samples under one request.
 
 A request's outputs come in one of two kinds (``OutputKind``): ``DELTA``, at
 every step that brings something new, each holding only what is new since the
@@ -11,8 +11,10 @@ runs, a tail that could still become a stop string is held back, and bytes
 that do not yet form complete UTF-8 are never emitted.
 
 Handling one sequence's new tokens may fail (a detokenizer fault, say): that
-request then ends with finish reason ``error`` and an ``error`` message, and
-the other requests of the step go on.
+request then ends with finish reason ``error`` and an ``error`` message, the
+core is asked to drop it, and the other requests of the step go on. A stop
+string ends its sequence here, at once: the core is told (``stops``) and
+frees it; tokens the core computed for it meanwhile are ignored.
 
 A beam search reports once, when it ends: its hypotheses, best first.
 """
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inflight.core.beam_search import BeamSearch, BeamSearchParams
-from inflight.core.request import FinishReason, Request
+from inflight.core.request import FinishReason
 from inflight.core.sampling_params import SamplingParams
+from inflight.engine.messages import (BeamOutput, CoreOutputs, CoreRequest, SequenceOutput,
+                                      SequenceTiming)
 from inflight.model.tokenizer import Tokenizer
 from inflight.worker.runner import TokenLogprobs
 
@@ -36,10 +40,6 @@ logger = logging.getLogger(__name__)
 class OutputKind(enum.Enum):
     DELTA = "delta"  # at every step with news: only what is new
     FINAL = "final"  # once, when finished: everything
-
-
-# Ends a sequence for the output processor: (sequence, reason, stop string).
-FinishSequence = Callable[[Request, FinishReason, "str | None"], None]
 
 
 @dataclass
@@ -109,10 +109,8 @@ class SequenceDetokenizer:
     (streaming, or stop strings to watch for); otherwise the whole output is
     decoded once when the sequence finishes."""
 
-    def __init__(self, tokenizer: Tokenizer | None, request: Request, stream: bool) -> None:
-        params = request.sampling_params
+    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams, stream: bool) -> None:
         self.tokenizer = tokenizer
-        self.request = request
         self.stop = params.stop
         self.incremental = tokenizer is not None and (stream or bool(self.stop))
         self.stream = tokenizer.decode_stream(params.skip_special_tokens) if self.incremental else None
@@ -141,17 +139,18 @@ class SequenceDetokenizer:
         self.text = self.text[:index + (len(stop) if self.include_stop else 0)]
         return stop
 
-    def visible_text(self, finished: bool) -> str:
-        """The text so far, minus any tail that is a prefix of a stop string."""
-        length = self.visible_length(finished)  # first: it may decode the text
+    def visible_text(self, token_ids: list[int], finished: bool) -> str:
+        """The text so far, minus any tail that is a prefix of a stop string
+        (``token_ids``: the sequence's output, decoded once at the end when
+        the text was not built token by token)."""
+        length = self.visible_length(token_ids, finished)  # first: it may decode the text
         return self.text[:length]
 
-    def visible_length(self, finished: bool) -> int:
+    def visible_length(self, token_ids: list[int], finished: bool) -> int:
         """How much of ``text`` is safe to show."""
         if not self.incremental:
             if finished and self.tokenizer is not None and not self.text:
-                self.text = self.tokenizer.decode(self.request.output_token_ids,
-                                                  self.skip_special_tokens)
+                self.text = self.tokenizer.decode(token_ids, self.skip_special_tokens)
             return len(self.text)
         if finished or not self.stop:
             return len(self.text)
@@ -164,18 +163,25 @@ class SequenceDetokenizer:
 
 @dataclass
 class _Sample:
-    request: Request
+    sequence_id: str
     detokenizer: SequenceDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
     # Whether each new token needs work now (incremental text or logprobs).
     per_token: bool = False
-    # Output tokens taken in so far.
-    seen_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    timing: SequenceTiming | None = None
+    finished_time: float | None = None  # when a stop string ended it here
     # What earlier DELTA outputs carried: characters, tokens, and whether the end.
     sent_text: int = 0
     sent_tokens: int = 0
     sent_finish: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -187,6 +193,7 @@ class _Group:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    arrival_time: float
     kind: OutputKind
     num_returned: int
     return_logprobs: bool
@@ -205,133 +212,154 @@ class _BeamRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    search: BeamSearch
-    leader: Request  # its first beam: arrival, scheduling and cache figures
+    arrival_time: float
+    skip_special_tokens: bool
+
+
+@dataclass
+class ProcessedStep:
+    """What the front end makes of one CoreOutputs: the outputs for its
+    callers; the sequences that met a stop string (the core is to finish
+    them); the requests whose handling failed here (the core is to drop
+    them); and the requests the core ended or refused, by id: (why, message)."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stops: list[tuple[str, str]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    ended: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 class OutputProcessor:
-    """Keeps each request's detokenization state and builds RequestOutputs."""
+    """Keeps each request's detokenization state and builds RequestOutputs
+    from the core's per-sequence tokens."""
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, clock: Callable[[], float] = time.time) -> None:
         self.tokenizer = tokenizer
+        self.clock = clock
         self._groups: dict[str, _Group] = {}
-        self._sample_of: dict[str, tuple[_Group, _Sample]] = {}  # by sequence request id
+        self._sample_of: dict[str, tuple[_Group, _Sample]] = {}  # by sequence id
         self._beams: dict[str, _BeamRequest] = {}
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            sequences: list[Request], kind: OutputKind,
-            params: SamplingParams | BeamSearchParams) -> None:
-        """Follow a request's sequences (for a beam search, its first beam)."""
-        if isinstance(params, BeamSearchParams):
-            self._beams[request_id] = _BeamRequest(request_id, prompt, prompt_token_ids,
-                                                   sequences[0].beam, sequences[0])
+    def add(self, request: CoreRequest, prompt: str | None, kind: OutputKind) -> None:
+        """Follow a request's sequences (a beam search: its end)."""
+        rid = request.request_id
+        if request.beam is not None:
+            self._beams[rid] = _BeamRequest(rid, prompt, request.prompt_token_ids,
+                                            request.arrival_time, True)
             return
-        group = _Group(request_id, prompt, prompt_token_ids, kind, params.n,
-                       params.logprobs is not None)
-        for seq in sequences:
-            want = seq.sampling_params.logprobs is not None
-            detokenizer = SequenceDetokenizer(self.tokenizer, seq, kind is OutputKind.DELTA)
-            sample = _Sample(seq, detokenizer, [] if want else None, 0.0 if want else None,
+        params = request.sampling
+        group = _Group(rid, prompt, request.prompt_token_ids, request.arrival_time, kind,
+                       params.n, params.logprobs is not None)
+        want = params.logprobs is not None or params.num_samples > params.n
+        for seq_id in request.sequence_ids:
+            detokenizer = SequenceDetokenizer(self.tokenizer, params, kind is OutputKind.DELTA)
+            sample = _Sample(seq_id, detokenizer, [] if want else None, 0.0 if want else None,
                              per_token=detokenizer.incremental or want)
             group.samples.append(sample)
-            self._sample_of[seq.request_id] = (group, sample)
-        self._groups[request_id] = group
+            self._sample_of[seq_id] = (group, sample)
+        self._groups[rid] = group
 
-    def remove(self, request_id: str) -> list[str]:
-        """Forget a request; returns its sequences' ids."""
-        beam = self._beams.pop(request_id, None)
-        if beam is not None:
-            return [b.request_id for b in beam.search.live]
+    def remove(self, request_id: str) -> None:
+        """Forget a request."""
+        self._beams.pop(request_id, None)
         group = self._groups.pop(request_id, None)
-        if group is None:
-            return []
-        ids = [s.request.request_id for s in group.samples]
-        for sid in ids:
-            del self._sample_of[sid]
-        return ids
+        if group is not None:
+            for sample in group.samples:
+                del self._sample_of[sample.sequence_id]
 
-    def request_id_of(self, sequence_id: str) -> str | None:
-        entry = self._sample_of.get(sequence_id)
-        return None if entry is None else entry[0].request_id
-
-    def sequence_ids(self, request_id: str) -> list[str]:
-        beam = self._beams.get(request_id)
-        if beam is not None:
-            return [b.request_id for b in beam.search.live]
+    def unfinished_sequences(self, request_id: str) -> list[str]:
+        """The ids of a request's sequences that have not finished (a beam
+        search's first beam)."""
+        if request_id in self._beams:
+            return [f"{request_id}#beam0"]
         group = self._groups.get(request_id)
-        return [] if group is None else [s.request.request_id for s in group.samples]
+        return [] if group is None else [s.sequence_id for s in group.samples if not s.finished]
 
-    def process(self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]],
-                ended: list[Request], failed: dict[str, str],
-                finish: FinishSequence, searches: Sequence[BeamSearch] = ()
-                ) -> list[RequestOutput]:
-        """Take in the new tokens of each ``updated`` sequence (with their
-        ``logprobs``, by sequence id), the sequences that ``ended`` without one,
-        and the sequences whose step ``failed`` (id -> why); ``finish`` ends a
-        sequence (a stop string, a failure). Returns an output for each DELTA
-        request with news, each finished request (which is then forgotten) and
-        each beam search of ``searches`` (those that ended)."""
-        outputs = [self._beam_output(beam) for search in searches
-                   if (beam := self._beams.pop(search.request_id, None)) is not None]
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._groups or request_id in self._beams
+
+    def __len__(self) -> int:
+        return len(self._groups) + len(self._beams)
+
+    def process(self, step: CoreOutputs) -> ProcessedStep:
+        """Take in one step's outputs: returns an output for each DELTA request
+        with news, each finished request (which is then forgotten) and each
+        beam search that ended. A sequence that meets a stop string here is
+        also noted as finished in the step's stats."""
+        done = ProcessedStep(ended={e.request_id: (e.why, e.message) for e in step.ended})
+        for beam in step.beams:
+            request = self._beams.pop(beam.request_id, None)
+            if request is not None:
+                done.outputs.append(self._beam_output(request, beam))
         touched: dict[str, _Group] = {}
-        for seq in ended:
-            entry = self._sample_of.get(seq.request_id)
-            if entry is not None:
-                touched[entry[0].request_id] = entry[0]
-        for seq in updated:
-            entry = self._sample_of.get(seq.request_id)
+        for update in step.sequences:
+            entry = self._sample_of.get(update.sequence_id)
             if entry is None:
                 continue
             group, sample = entry
-            touched[group.request_id] = group
-            if not sample.per_token:  # text once at the end, no logprobs
+            if sample.finished:  # a stop string ended it here; the core ran on
                 continue
+            touched[group.request_id] = group
             try:
-                self._take_tokens(seq, sample, logprobs.get(seq.request_id), finish)
+                stop = self._take(sample, update)
             except Exception as e:  # noqa: BLE001 - one request fails, the others go on
-                logger.exception("handling the output of %s failed", seq.request_id)
-                failed = {**failed, seq.request_id: f"{type(e).__name__}: {e}"}
-        for seq_id, message in failed.items():
-            entry = self._sample_of.get(seq_id)
-            if entry is None:
+                logger.exception("handling the output of %s failed", update.sequence_id)
+                group.error = group.error or f"{type(e).__name__}: {e}"
+                done.failed.append(group.request_id)
                 continue
-            group = entry[0]
-            group.error = group.error or message
-            for s in group.samples:  # the whole request fails with its sample
-                if not s.request.is_finished:
-                    finish(s.request, FinishReason.ERROR, None)
-            touched[group.request_id] = group
+            if stop is not None:
+                done.stops.append((sample.sequence_id, stop))
+                if step.stats is not None:
+                    step.stats.finished.append((FinishReason.STOP.value,
+                                                sample.finished_time - group.arrival_time,
+                                                len(group.prompt_token_ids),
+                                                len(sample.token_ids)))
+                    step.stats.finished_ids.append(sample.sequence_id)
+        for rid, (why, message) in done.ended.items():
+            group = self._groups.get(rid)
+            if group is not None and why == "failed":
+                group.error = group.error or message
+                touched[rid] = group
         for group in touched.values():
-            finished = all(s.request.is_finished for s in group.samples)
+            if group.error is not None:
+                for s in group.samples:  # the whole request fails with its sample
+                    if not s.finished:
+                        s.finish_reason = FinishReason.ERROR.value
+            finished = all(s.finished for s in group.samples)
             if finished or (group.kind is OutputKind.DELTA and not group.ranked):
                 output = self._output(group, finished)
                 if output is not None:
-                    outputs.append(output)
+                    done.outputs.append(output)
                 if finished:
                     self.remove(group.request_id)
-        return outputs
+        return done
 
-    def _take_tokens(self, seq: Request, sample: _Sample, logprobs: list[TokenLogprobs] | None,
-                     finish: FinishSequence) -> None:
-        """Detokenize the sequence's tokens not seen yet; end it at a stop string."""
-        tokens = seq.all_token_ids
-        num_output = seq.num_output_tokens
-        for k in range(sample.seen_tokens, num_output):
-            sample.seen_tokens = k + 1
-            stop = sample.detokenizer.add_token(tokens[seq.num_prompt_tokens + k], k + 1)
-            if stop is not None:
-                if k + 1 < num_output:  # a verified run went on past the stop string
-                    del tokens[seq.num_prompt_tokens + k + 1:]
-                    if seq.is_finished:
-                        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
-                if not seq.is_finished:
-                    finish(seq, FinishReason.STOP, stop)
-                break
-        if logprobs and sample.logprobs is not None:
-            # (A stop may have cut the step's tokens short of its logprobs.)
-            for lp in logprobs[:max(0, seq.num_output_tokens - len(sample.logprobs))]:
-                sample.logprobs.append(self._logprob_entry(lp))
-                sample.cumulative_logprob += lp.logprob
+    def _take(self, sample: _Sample, update: SequenceOutput) -> str | None:
+        """Take in a sequence's new tokens (detokenized one by one where text or
+        logprobs are needed now); returns the stop string that ended it here."""
+        if update.timing is not None:
+            sample.timing = update.timing
+        stop = None
+        tokens = update.token_ids
+        if sample.per_token:
+            for k, token in enumerate(tokens):
+                sample.token_ids.append(token)
+                stop = sample.detokenizer.add_token(token, len(sample.token_ids))
+                if stop is not None:
+                    tokens = tokens[:k + 1]
+                    break
+            if update.logprobs and sample.logprobs is not None:
+                for lp in update.logprobs[:len(tokens)]:
+                    sample.logprobs.append(self._logprob_entry(lp))
+                    sample.cumulative_logprob += lp.logprob
+        else:
+            sample.token_ids += tokens
+        if stop is not None:
+            sample.finish_reason, sample.stop_reason = FinishReason.STOP.value, stop
+            sample.finished_time = self.clock()
+        elif update.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = update.finish_reason, update.stop_reason
+        return stop
 
     def _logprob_entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         entry = {tid: Logprob(value, rank + 1, self._decode_one(tid))
@@ -339,23 +367,21 @@ class OutputProcessor:
         entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._decode_one(lp.token_id))
         return entry
 
-    def _beam_output(self, beam: _BeamRequest) -> RequestOutput:
-        search, leader = beam.search, beam.leader
-        skip_special = leader.sampling_params.skip_special_tokens
+    def _beam_output(self, request: _BeamRequest, beam: BeamOutput) -> RequestOutput:
         completions = [CompletionOutput(
             index=i, text="" if self.tokenizer is None else self.tokenizer.decode(
-                h.token_ids, skip_special),
+                h.token_ids, request.skip_special_tokens),
             token_ids=h.token_ids, cumulative_logprob=h.cumulative_logprob, logprobs=None,
             finish_reason=h.finish_reason, score=h.score)
-            for i, h in enumerate(search.results())]
+            for i, h in enumerate(beam.hypotheses)]
+        timing = beam.timing
         metrics = RequestMetrics(
-            arrival_time=leader.arrival_time, first_scheduled_time=leader.first_scheduled_time,
-            finished_time=max((b.finished_time for b in search.live if b.finished_time),
-                              default=None),
-            num_preemptions=search.num_preemptions, num_cached_tokens=leader.num_cached_tokens,
-            history=[(t, event, detail, 0) for event, t, detail in leader.history])
-        return RequestOutput(beam.request_id, beam.prompt, beam.prompt_token_ids, completions,
-                             True, metrics, search.error)
+            arrival_time=request.arrival_time, first_scheduled_time=timing.first_scheduled_time,
+            finished_time=timing.finished_time, num_preemptions=timing.num_preemptions,
+            num_cached_tokens=timing.num_cached_tokens,
+            history=[(t, event, detail, 0) for event, t, detail in timing.history or ()])
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, True, metrics, beam.error)
 
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], False)
@@ -370,44 +396,45 @@ class OutputProcessor:
             samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[:group.num_returned]
         completions = []
         for index, sample in enumerate(samples):
-            seq = sample.request
             detok = sample.detokenizer
-            done = seq.is_finished
+            done = sample.finished
             if delta:
                 if sample.sent_finish:
                     continue
-                visible = detok.visible_length(done)
+                visible = detok.visible_length(sample.token_ids, done)
                 text = detok.text[sample.sent_text:visible]
-                num_output = seq.num_output_tokens
-                token_ids = seq.all_token_ids[seq.num_prompt_tokens + sample.sent_tokens:]
+                num_output = len(sample.token_ids)
+                token_ids = sample.token_ids[sample.sent_tokens:]
                 logprobs = (sample.logprobs[sample.sent_tokens:num_output]
                             if group.return_logprobs and sample.logprobs is not None else None)
                 if not text and not token_ids and not done:
                     continue
                 sample.sent_text, sample.sent_tokens, sample.sent_finish = visible, num_output, done
             else:
-                text = detok.visible_text(done)
-                token_ids = seq.output_token_ids
+                text = detok.visible_text(sample.token_ids, done)
+                token_ids = list(sample.token_ids)
                 logprobs = sample.logprobs if group.return_logprobs else None
             completions.append(CompletionOutput(
-                index=index,
-                text=text, token_ids=token_ids,
-                cumulative_logprob=sample.cumulative_logprob,
-                logprobs=logprobs,
-                finish_reason=None if seq.finish_reason is None else seq.finish_reason.value,
-                stop_reason=seq.stop_reason))
+                index=index, text=text, token_ids=token_ids,
+                cumulative_logprob=sample.cumulative_logprob, logprobs=logprobs,
+                finish_reason=sample.finish_reason, stop_reason=sample.stop_reason))
         if delta and not completions and not finished:
             return None
-        seqs = [s.request for s in group.samples]
+        timings = [s.timing for s in group.samples if s.timing is not None]
         metrics = RequestMetrics(
-            arrival_time=seqs[0].arrival_time,
-            first_scheduled_time=min((t for s in seqs if (t := s.first_scheduled_time)),
-                                     default=None),
-            first_token_time=min((t for s in seqs if (t := s.first_token_time)), default=None),
-            finished_time=max(s.finished_time for s in seqs) if finished else None,
-            num_preemptions=sum(s.num_preemptions for s in seqs),
-            num_cached_tokens=seqs[0].num_cached_tokens,
-            history=sorted((t, event, detail, i) for i, s in enumerate(seqs)
-                           for event, t, detail in s.history) if finished else None)
+            arrival_time=group.arrival_time,
+            first_scheduled_time=min((t.first_scheduled_time for t in timings
+                                      if t.first_scheduled_time), default=None),
+            first_token_time=min((t.first_token_time for t in timings if t.first_token_time),
+                                 default=None),
+            num_preemptions=sum(t.num_preemptions for t in timings),
+            num_cached_tokens=timings[0].num_cached_tokens if timings else 0)
+        if finished:
+            ends = [t.finished_time for t in timings if t.finished_time is not None]
+            ends += [s.finished_time for s in group.samples if s.finished_time is not None]
+            metrics.finished_time = max(ends, default=None)
+            metrics.history = sorted((t, event, detail, i) for i, s in enumerate(group.samples)
+                                     if s.timing is not None
+                                     for event, t, detail in s.timing.history or ())
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              finished, metrics, group.error if finished else None)

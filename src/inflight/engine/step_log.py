@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from inflight.core.scheduler import attention_pairs
-from inflight.engine.client import EngineLoad
-from inflight.engine.engine_core import StepStats
+from inflight.engine.messages import EngineLoad
+from inflight.engine.step_stats import StepStats
 
 # What a slot did in one step (the colours of the dashboard's strip).
 PROMPT, DECODE, PREEMPTED, HELD = "p", "d", "x", "h"
@@ -130,6 +130,9 @@ class StepLog:
         self._num_slots = 0
         self._histories: OrderedDict[str, _History] = OrderedDict()
         self._max_requests = max_requests
+        # Sequences that ended lately: a step may still carry one that the
+        # front end ended (a stop string) before the core heard of it.
+        self._gone: OrderedDict[str, None] = OrderedDict()
         self.aborted = 0
         self._bins: dict[tuple[str, int], np.ndarray] = {}  # readers' cache of past seconds
 
@@ -140,6 +143,7 @@ class StepLog:
         with self._lock:
             for seq in sequence_ids:
                 self._live[seq] = _Live(request_id, tenant)
+                self._gone.pop(seq, None)
             history = _History(request_id, tenant, priority, prompt_tokens, list(sequence_ids),
                                arrival, background)
             history.events.append((arrival, None, "", "queued",
@@ -153,8 +157,9 @@ class StepLog:
                 self._histories.popitem(last=False)
 
     def stepped(self, stats: StepStats) -> None:
-        """Record one step."""
-        now = self.clock()
+        """Record one step (at its end time, when the engine gives one: the
+        record may reach the log a little later)."""
+        now = stats.end_time or self.clock()
         with self._lock:
             step = self._next_step
             self._next_step += 1
@@ -176,8 +181,10 @@ class StepLog:
                     self._release(live)
             for seq, n, prompt, before in zip(stats.request_ids, stats.new_tokens,
                                               stats.prompt_tokens, stats.computed_before):
+                if seq in self._gone:
+                    continue
                 live = self._live.get(seq)
-                if live is None:  # submitted before the log existed, or evicted
+                if live is None:  # submitted before the log existed, or a beam
                     live = self._live[seq] = _Live(seq, None)
                 if live.slot is None:
                     live.slot = self._take_slot(seq)
@@ -248,6 +255,7 @@ class StepLog:
                 bucket.itls.append(stats.inter_token_latencies)
 
     def _finish(self, seq: str, reason: str, generated: int, now: float, step: int) -> None:
+        self._forget(seq)
         live = self._live.pop(seq, None)
         if live is None:
             history = self._histories.get(seq)
@@ -272,6 +280,7 @@ class StepLog:
             history = self._histories.get(request_id)
             sequences = history.sequences if history is not None else sequence_ids
             for seq in sequences:
+                self._forget(seq)
                 live = self._live.pop(seq, None)
                 if live is not None:
                     self._release(live)
@@ -279,6 +288,11 @@ class StepLog:
             if history is not None and history.state in ("queued", "running"):
                 history.state = "aborted"
             self.aborted += 1
+
+    def _forget(self, seq: str) -> None:
+        self._gone[seq] = None
+        if len(self._gone) > 4 * self._max_requests:
+            self._gone.popitem(last=False)
 
     def _take_slot(self, seq: str) -> int:
         if self._free:

@@ -27,7 +27,8 @@ from ray.serve.handle import DeploymentHandle
 from inflight.core.beam_search import BeamSearchParams
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.async_engine import EngineDeadError
-from inflight.engine.client import EngineLoad, ModelInfo, StepLogSource, TokenizerOps
+from inflight.engine.client import StepLogSource, TokenizerOps
+from inflight.engine.messages import EngineLoad, ModelInfo
 from inflight.engine.output import RequestOutput
 from inflight.ray.replica import ReplicaDescription
 from inflight.ray.router import PIN, InflightRequestRouter

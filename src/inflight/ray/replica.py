@@ -25,7 +25,7 @@ from inflight.config import EngineConfig
 from inflight.core.beam_search import BeamSearchParams
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.async_engine import AsyncEngine
-from inflight.engine.client import ModelInfo
+from inflight.engine.messages import ModelInfo
 from inflight.engine.output import RequestOutput
 from inflight.model.loader import model_display_name
 from inflight.model.tokenizer import Tokenizer

@@ -48,21 +48,24 @@ class MetricsSource(Protocol):
 
 
 def build_app(engine: EngineClient, *, model_name: str, metrics: MetricsSource,
-              api_key: str | None = None, batches: BatchService | None = None) -> FastAPI:
+              api_key: str | None = None, batches: BatchService | None = None,
+              on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     """``batches``: serve /v1/files and /v1/batches from it (its feeder runs
-    while the app does)."""
+    while the app does); ``on_shutdown`` runs (in a thread) once the app has
+    stopped serving: after a graceful shutdown's requests have finished."""
     serving = OpenAIServing(engine, model_name)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if batches is None:
-            yield
-            return
-        await batches.start()
+        if batches is not None:
+            await batches.start()
         try:
             yield
         finally:
-            await batches.stop()
+            if batches is not None:
+                await batches.stop()
+            if on_shutdown is not None:
+                await asyncio.to_thread(on_shutdown)
 
     app = FastAPI(title="inflight", version="0.1.0", lifespan=lifespan)
     app.add_middleware(_Guard, api_key=api_key)

@@ -1,12 +1,18 @@
-"""``inflight serve``: the engine, its metrics and the app under uvicorn.
+"""``inflight serve``: the engine (its core in a process of its own), its
+metrics and the app under uvicorn.
 
 uvicorn handles SIGTERM and SIGINT: it stops accepting connections, lets
-in-flight requests finish for up to ``shutdown_timeout`` seconds, then exits
-(re-raising the signal, so the process ends as the signal asks)."""
+in-flight requests finish for up to ``shutdown_timeout`` seconds, then the
+app's shutdown stops the engine process, and the server exits (re-raising the
+signal, so the process ends as the signal asks). If the engine process dies,
+requests in flight end with an error, ``/health`` answers 503, and after
+``DEAD_EXIT_DELAY_S`` the server exits with status 1 (as vLLM's does): a
+supervisor restarts it."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,34 +30,53 @@ from inflight.server.openai_serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
+# How long a server whose engine died goes on answering (errors, and 503 on
+# /health) before it exits.
+DEAD_EXIT_DELAY_S = 2.0
+
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
-          shutdown_timeout: float = 30.0, log_level: str = "info", **options: Any) -> None:
-    """Serve until SIGTERM or SIGINT; ``options`` are those of ``make_server``."""
-    engine, app = make_server(config, **options)
+          shutdown_timeout: float = 30.0, log_level: str = "info", **options: Any) -> int:
+    """Serve until SIGTERM or SIGINT (0), or until the engine dies (1);
+    ``options`` are those of ``make_server``."""
+    dead = threading.Event()
+    server: uvicorn.Server | None = None
+
+    def on_dead() -> None:  # (the engine's watcher thread)
+        dead.set()
+        threading.Timer(DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
+
+    engine, app = make_server(config, on_dead=on_dead, **options)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=shutdown_timeout))
     try:
         server.run()
     finally:
         engine.shutdown(timeout=0)
+    if dead.is_set():
+        logger.error("exiting: the engine stopped (%s)", engine.error)
+        return 1
+    return 0
 
 
 def make_server(config: EngineConfig, *, api_key: str | None = None,
                 served_model_name: str | None = None, max_waiting_requests: int | None = None,
                 max_waiting_per_tenant: int | None = None,
                 max_queue_wait: float | None = None, data_dir: Path | str | None = None,
-                batch_max_in_flight: int | None = None) -> tuple[AsyncEngine, FastAPI]:
-    """The running engine and its app (tests serve the app themselves).
-    ``data_dir``: serve the Batch API, keeping its jobs and files there
-    (``batch_max_in_flight`` lines in the engine at once; by default
-    ``max_num_seqs``)."""
+                batch_max_in_flight: int | None = None, on_dead: Any = None,
+                in_process: bool = False) -> tuple[AsyncEngine, FastAPI]:
+    """The running engine and its app (tests serve the app themselves); the
+    app's shutdown stops the engine. ``data_dir``: serve the Batch API,
+    keeping its jobs and files there (``batch_max_in_flight`` lines in the
+    engine at once; by default ``max_num_seqs``). ``on_dead`` is called if
+    the engine dies; ``in_process`` runs its core in a thread of this
+    process instead of a process of its own."""
     name = served_model_name or model_display_name(config.model)
     metrics = EngineMetrics(name)
     engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests,
                          max_waiting_per_tenant=max_waiting_per_tenant,
                          max_queue_wait=max_queue_wait, on_step=metrics.on_step,
-                         on_abort=metrics.on_abort)
+                         on_abort=metrics.on_abort, on_dead=on_dead, in_process=in_process)
     metrics.watch(engine.load)
     batches = None
     if data_dir is not None:
@@ -64,4 +89,4 @@ def make_server(config: EngineConfig, *, api_key: str | None = None,
         logger.info("batch jobs in %s", data_dir)
     logger.info("serving %s", name)
     return engine, build_app(engine, model_name=name, metrics=metrics, api_key=api_key,
-                             batches=batches)
+                             batches=batches, on_shutdown=engine.shutdown)

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from inflight.engine.client import EngineLoad
-from inflight.engine.engine_core import StepStats
+from inflight.engine.messages import EngineLoad
+from inflight.engine.step_stats import StepStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)

@@ -163,7 +163,7 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
                   param: str) -> None:
     """An explicit ``max_tokens`` must fit in the context with the prompt (an
     omitted one means "up to the context"). A prompt that alone is too long is
-    the engine's to refuse (``EngineCore.prepare_request``)."""
+    the engine's to refuse (``engine.input.InputProcessor.prepare``)."""
     if max_tokens is not None and num_prompt_tokens <= max_model_len < (num_prompt_tokens
                                                                           + max_tokens):
         raise InvalidRequest(

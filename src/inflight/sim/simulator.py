@@ -30,11 +30,12 @@ from typing import Any
 
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
-from inflight.engine.client import ModelInfo
+from inflight.engine.messages import ModelInfo
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.factory import build_scheduler
 from inflight.workload.results import RequestResult
-from inflight.engine.output import OutputProcessor, RequestOutput
+from inflight.engine.llm_engine import LLMEngine
+from inflight.engine.output import RequestOutput
 from inflight.ray.routing import ReplicaReport, ReplicaRouter, RouterConfig, short_key
 from inflight.sim.cost_model import CostModel, LinearCostModel, RooflineCostModel, StepShape
 from inflight.sim.runner import CostModelRunner, VirtualClock
@@ -156,7 +157,8 @@ class _ShortKeys(dict):
 
 
 class Replica:
-    """One engine: a real EngineCore whose runner is the cost model."""
+    """One engine: a real EngineCore whose runner is the cost model, with the
+    front end of one thread (no tokenizer)."""
 
     def __init__(self, index: int, config: SimConfig, cost_model: CostModel) -> None:
         self.index = index
@@ -165,9 +167,9 @@ class Replica:
                                       config.num_host_blocks, config.max_model_len,
                                       config.streaming)
         scheduler = build_scheduler(config.engine, self.runner, self.clock)
-        self.core = EngineCore(scheduler, self.runner, OutputProcessor(None),
-                               model=ModelInfo("simulated", config.max_model_len, VOCAB_SIZE),
-                               tokenizer=None, clock=self.clock)
+        self.engine = LLMEngine(EngineCore(
+            scheduler, self.runner, model=ModelInfo("simulated", config.max_model_len, VOCAB_SIZE),
+            clock=self.clock), None, self.clock)
         self.stepping = False  # a step event is queued
         self.timeline: list[tuple[float, int, int, float]] = []
         self.slot_seconds = 0.0
@@ -176,7 +178,7 @@ class Replica:
     def sample(self, interval: float) -> None:
         now = self.clock.now
         if not self.timeline or now - self.timeline[-1][0] >= interval:
-            sched = self.core.scheduler
+            sched = self.engine.scheduler
             self.timeline.append((now, sched.num_running, sched.num_waiting,
                                   sched.kv_cache.usage))
 
@@ -266,15 +268,15 @@ class Simulator:
                 for seq_id, gap in replica.runner.token_gaps:
                     cls = class_of[seq_id.partition("#")[0]]
                     gaps.setdefault(cls, array("d")).append(gap)
-                if replica.core.has_unfinished_requests():
+                if replica.engine.has_unfinished_requests():
                     self._push(replica.clock.now, STEP, replica.index)
                 else:
                     replica.stepping = False
         for _, kind, _, payload in self._events:  # the router hears of the last ones
             if kind == COMPLETE:
                 self.router.completed(str(payload))
-        kv = [r.core.kv_cache for r in self.replicas]
-        stats = [r.core.scheduler.stats for r in self.replicas]
+        kv = [r.engine.kv_cache for r in self.replicas]
+        stats = [r.engine.scheduler.stats for r in self.replicas]
         return SimResult(
             records=[r for r in records if r is not None], gaps=gaps,
             end_time=max([end_time] + [r.arrival for r in records if r is not None]),
@@ -305,21 +307,21 @@ class Simulator:
         """Route and queue one request; a record if it was refused."""
         self._arrivals[index] = self.now
         replica = self._route(prompt)
-        core = replica.core
+        engine = replica.engine
         serving = self.config.serving
         refused = None
         if (serving.max_waiting_requests is not None
-                and core.scheduler.num_waiting >= serving.max_waiting_requests):
+                and engine.scheduler.num_waiting >= serving.max_waiting_requests):
             refused = "queue_full"
         elif serving.max_waiting_per_tenant is not None and sum(
-                r.tenant == request.tenant for r in core.scheduler.policy
+                r.tenant == request.tenant for r in engine.scheduler.policy
         ) >= serving.max_waiting_per_tenant:
             refused = "queue_full (tenant)"
         if refused is None:
             params = SamplingParams(n=request.n, max_tokens=request.output_len, ignore_eos=True,
                                     temperature=0.0 if request.n == 1 else 1.0)
             try:
-                core.add_request({"prompt_token_ids": prompt}, params, request_id=str(index),
+                engine.add_request({"prompt_token_ids": prompt}, params, request_id=str(index),
                                  arrival_time=self.now, priority=request.priority,
                                  tenant=request.tenant, deadline_ms=request.deadline_ms)
             except ValueError as e:
@@ -348,7 +350,7 @@ class Simulator:
     def _report(self) -> None:
         with_keys = self.config.router == "prefix"
         for replica in self.replicas:
-            sched = replica.core.scheduler
+            sched = replica.engine.scheduler
             keys = (frozenset(map(self._short_keys.__getitem__,
                                   sched.kv_cache.cached_block_hashes()))
                     if with_keys else frozenset())
@@ -360,15 +362,15 @@ class Simulator:
         """One engine step at the replica's time (which has caught up with
         ``now``); returns the finished outputs and the ids aborted for waiting
         too long."""
-        core, clock = replica.core, replica.clock
+        engine, clock = replica.engine, replica.clock
         clock.now = max(clock.now, self.now)
         start = clock.now
         aborted = []
         if self.config.serving.max_queue_wait is not None:
-            aborted = core.abort_waiting_older_than(self.config.serving.max_queue_wait, start)
+            aborted = engine.abort_waiting_older_than(self.config.serving.max_queue_wait, start)
         replica.runner.token_gaps.clear()
-        outputs = core.step()
-        stats = core.last_step
+        outputs = engine.step()
+        stats = engine.last_step
         if clock.now == start:  # nothing computed: the engine loop polls again
             clock.advance(replica.idle_step_seconds)
         seconds = clock.now - start

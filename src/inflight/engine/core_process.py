@@ -1,0 +1,65 @@
+"""The engine process: ``python -m inflight.engine.core_process`` with its
+``CoreProcessSpec`` (MessagePack) on standard input; it builds the engine core
+and runs its loop (``engine.core_loop.serve_core``) over the front end's
+ipc:// sockets until told to stop.
+
+It follows its parent: SIGINT and SIGTERM are ignored (the server drains its
+requests first, then sends Shutdown), and it exits as soon as its parent is
+gone, however that went, so no engine outlives its server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import msgspec
+import zmq
+
+from inflight.config import EngineConfig
+from inflight.engine.core_loop import serve_core
+
+# How often the process looks whether its parent is still there.
+PARENT_POLL_SECONDS = 0.2
+
+
+class CoreProcessSpec(msgspec.Struct):
+    config: EngineConfig
+    ops_address: str
+    events_address: str
+    max_queue_wait: float | None = None
+    count_tenants: bool = False
+    log_level: int = logging.INFO
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_SECONDS)
+    os._exit(1)
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True,
+                     name="inflight-parent-watch").start()
+    spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreProcessSpec)
+    logging.basicConfig(level=spec.log_level, format="%(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    try:
+        ok = serve_core(spec.config, context, spec.ops_address, spec.events_address,
+                        max_queue_wait=spec.max_queue_wait, count_tenants=spec.count_tenants)
+    except BaseException:  # noqa: BLE001 - reported to the front end already
+        logging.getLogger(__name__).exception("the engine core could not be built")
+        ok = False
+    finally:
+        context.destroy(linger=5000)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
