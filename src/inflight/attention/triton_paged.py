@@ -25,7 +25,10 @@ nothing. With ``batch_invariant`` every step splits at fixed positions (every
 ``INVARIANT_SPLIT_KEYS`` keys) and uses one tile shape, so a token's result
 depends only on its own request, not on the batch around it.
 
-Tile sizes come from fixed rules (no autotuning, which needs a GPU at import).
+Tile sizes come from fixed rules (no autotuning, which needs a GPU at import),
+so the launch configurations are few and known: ``warm_up_shapes`` lists step
+shapes that between them meet every one, for the engine to compile before it
+serves (arguments that vary per step are not specialized on).
 """
 
 from __future__ import annotations
@@ -72,7 +75,11 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     tl.store(v_cache_ptr + cache_off, v, mask=mask)
 
 
-@triton.jit
+# Arguments that change from step to step: not specialized on (Triton would
+# compile a kernel for each value that is 1 or a multiple of 16 and each that
+# is not), so that the launch configurations the warm-up meets are all there are.
+@triton.jit(do_not_specialize=["num_splits", "tiles_per_split", "stride_bt", "stride_as",
+                               "stride_ms"])
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                       tile_seq_ptr, tile_q_start_ptr, query_start_loc_ptr, seq_lens_ptr,
                       block_table_ptr,
@@ -164,7 +171,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, pa
                  out.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_as", "stride_ms"])
 def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, num_splits,
                          stride_ot, stride_oh, stride_as, stride_at, stride_ah,
                          stride_ms, stride_mt, stride_mh,
@@ -275,6 +282,16 @@ class TritonPagedBackend(TorchPagedBackend):
             return 1, 0
         wanted = -(-self.target_programs // programs)
         return max(1, min(wanted, max_seq_len // SPLIT_MIN_KEYS)), 0
+
+    def warm_up_shapes(self, max_seq_len: int) -> list[tuple[list[int], list[int]]]:
+        """(query lengths, context lengths) of steps that between them meet every
+        launch configuration (tile rows and whether keys split) a step of up to
+        ``max_seq_len`` positions can have."""
+        split_len = 2 * SPLIT_MIN_KEYS  # the shortest sequence whose keys may split
+        shapes = [([1], [15]), ([16], [0])]  # a decode, a prompt: neither splits
+        if max_seq_len >= split_len:  # the same, with enough keys to split
+            shapes += [([1], [split_len - 1]), ([16], [split_len - 16])]
+        return shapes
 
     # ------------------------------------------------------------- metadata
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TritonPagedMetadata:

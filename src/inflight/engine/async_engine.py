@@ -27,6 +27,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -260,7 +261,13 @@ class AsyncEngine(TokenizerOps):
         return self.model
 
     def load(self) -> EngineLoad:
-        return self._load
+        """The core's last load report, with the requests sent to it since
+        counted as waiting."""
+        if not self._in_transit:
+            return self._load
+        background = sum(not interactive for interactive, _ in self._in_transit)
+        return replace(self._load, num_waiting=self._load.num_waiting + len(self._in_transit),
+                       num_background_waiting=self._load.num_background_waiting + background)
 
     def step_logs(self) -> dict[str, LocalStepLog]:
         return {"engine": LocalStepLog(self.step_log, self.load)}

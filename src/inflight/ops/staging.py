@@ -1,6 +1,12 @@
 """Host-to-device transfer of a step's integer inputs: on CUDA, every array of
 a step goes through one pinned host buffer and one asynchronous copy; on the
-CPU the arrays are used in place."""
+CPU the arrays are used in place.
+
+Each array starts 16 bytes into the buffer from a multiple of 16: Triton
+compiles a kernel once per alignment of its pointer arguments, and arrays
+packed back to back would start at 8 bytes past one whenever an earlier
+array had an odd length, so a new batch composition could cost a compile
+in the middle of serving."""
 
 from __future__ import annotations
 
@@ -8,6 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+# Elements (int64) between array starts in the buffer: 16 bytes.
+ALIGN = 2
 
 
 class HostStaging:
@@ -25,19 +34,25 @@ class HostStaging:
         """Device int64 tensors with the arrays' shapes and contents."""
         if self.device.type != "cuda":
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
-        total = sum(a.size for a in arrays)
+        offsets = aligned_offsets([a.size for a in arrays])
+        total = int(offsets[-1])
         if self._copied is not None:
             self._copied.synchronize()
         if self._pinned is None or self._pinned.numel() < total:
             size = max(total, 2 * (0 if self._pinned is None else self._pinned.numel()), 4096)
             self._pinned = torch.empty(size, dtype=torch.int64, pin_memory=True)
         host = self._pinned.numpy()
-        offsets = np.cumsum([0] + [a.size for a in arrays])
-        for a, start, end in zip(arrays, offsets[:-1], offsets[1:]):
-            host[start:end] = a.ravel()
+        for a, start in zip(arrays, offsets):
+            host[start:start + a.size] = a.ravel()
         flat = self._pinned[:total].to(self.device, non_blocking=True)
         if self._copied is None:
             self._copied = torch.cuda.Event()
         self._copied.record()
-        return [flat[start:end].view(a.shape)
-                for a, start, end in zip(arrays, offsets[:-1], offsets[1:])]
+        return [flat[start:start + a.size].view(a.shape) for a, start in zip(arrays, offsets)]
+
+
+def aligned_offsets(sizes: Sequence[int]) -> np.ndarray:
+    """Where each of arrays of ``sizes`` int64 elements starts in one buffer,
+    every start a multiple of 16 bytes (2 elements), and the end of the last."""
+    padded = [-(-size // ALIGN) * ALIGN for size in sizes]
+    return np.cumsum([0, *padded])

@@ -11,7 +11,7 @@ import triton.language as tl
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile, whatever the number of rows
 def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
                    stride_xm, stride_wn, stride_om,
                    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,

@@ -30,6 +30,7 @@ from inflight.ops.torch_ops import TorchOps
 from inflight.worker.cpu_setup import configure_cpu
 from inflight.worker.cuda_graphs import cuda_graph_factory
 from inflight.worker.gpu_memory import kv_cache_budget, profile_step
+from inflight.worker.warm_up import warm_up_kernels
 from inflight.worker.kernels import select_kernels
 from inflight.worker.model_runner import ModelRunner
 
@@ -134,6 +135,11 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
                          block_size=config.block_size, device=device, dtype=dtype,
                          seed=config.seed, max_model_len=max_model_len,
                          num_parameters=num_parameters, weight_bytes=resident)
+    if device.type == "cuda" and stub_token_id is None:
+        warm_up_kernels(model, backend, max_seq_len=max_model_len, block_size=config.block_size,
+                        num_layers=model_config.num_hidden_layers,
+                        num_kv_heads=model_config.num_key_value_heads,
+                        head_dim=model_config.head_dim, dtype=dtype, device=device)
     if (device.type == "cuda" and not config.enforce_eager and stub_token_id is None
             and hasattr(backend, "decode_buffers")):
         start = time.perf_counter()

@@ -1,0 +1,233 @@
+"""The engine core in a process of its own under the server: the same tokens
+as offline, clear errors, and what happens when it dies or the server is
+told to stop (no process is left behind)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import free_port, start_server
+
+from inflight import LLM, SamplingParams
+from inflight.config import EngineConfig
+from inflight.engine.async_engine import AsyncEngine
+
+PROMPTS = ["the quick brown fox", "continuous batching keeps", "paged attention stores keys",
+           "over the lazy dog"]
+
+
+def children_of(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def gone(pid: int, within: float) -> bool:
+    """Whether process ``pid`` has ended (a zombie has: it waits to be reaped)
+    within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class ServeProcess:
+    """``inflight serve`` over a model, as a user starts it."""
+
+    def __init__(self, model: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "inflight", "serve", "--model", str(model), "--port",
+             str(self.port), "--kv-cache-memory", "16MiB", "--data-dir",
+             str(model.parent / f"data-{self.port}"), *flags],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.process.stderr.read()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        engines = children_of(self.process.pid)
+        assert len(engines) == 1, engines
+        self.engine_pid = engines[0]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        try:
+            os.kill(self.engine_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def stream_completion(url: str, body: dict, events: list, started: threading.Event) -> None:
+    """Read a streamed completion into ``events`` (chunks, then "done" or an error)."""
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    started.set()
+        events.append("done")
+    except (httpx.HTTPError, AssertionError) as e:
+        events.append(e)
+    started.set()
+
+
+def test_the_server_gives_the_offline_tokens_from_an_engine_process(tiny_model):
+    path = tiny_model("llama-gqa")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    offline = [o.outputs[0].text for o in LLM(str(path), kv_cache_memory="16MiB").generate(
+        PROMPTS, params, use_tqdm=False)]
+    server = start_server(EngineConfig(str(path), kv_cache_memory="16MiB"))
+    try:
+        assert server.engine.pid is not None and server.engine.pid in children_of(os.getpid())
+
+        async def all_at_once(stream: bool) -> list[str]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                async def one(prompt: str) -> str:
+                    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                            "ignore_eos": True, "stream": stream}
+                    if not stream:
+                        r = await http.post(f"{server.url}/v1/completions", json=body)
+                        return r.json()["choices"][0]["text"]
+                    text = ""
+                    async with http.stream("POST", f"{server.url}/v1/completions",
+                                           json=body) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: ") and line != "data: [DONE]":
+                                text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+                    return text
+                return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
+
+        assert asyncio.run(all_at_once(False)) == offline
+        # (A stream never sends the U+FFFD of bytes that end mid-character.)
+        for streamed, text in zip(asyncio.run(all_at_once(True)), offline):
+            assert text.startswith(streamed) and set(text[len(streamed):]) <= {"\ufffd"}
+        # A request the core refuses (n above max_num_seqs=128 would be a 400 of
+        # the API's own; this one fails only in the core) gets a 400, not a hang.
+        r = httpx.post(f"{server.url}/v1/completions",
+                       json={"prompt": "x", "max_tokens": 2, "use_beam_search": True,
+                             "n": 1, "beam_width": 200}, timeout=30)
+        assert r.status_code == 400, r.text
+        assert "beam_width" in r.json()["error"]["message"]
+        assert server.wait_idle()
+    finally:
+        server.stop()
+    assert gone(server.engine.pid, 10)
+
+
+def test_a_stop_string_ends_the_text_and_frees_the_sequence(tiny_model):
+    path = tiny_model("llama-gqa")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = LLM(str(path), kv_cache_memory="16MiB").generate(["the quick brown fox"], params,
+                                                            use_tqdm=False)[0].outputs[0].text
+    start = next(i for i in range(len(full) // 3, len(full) - 1)
+                 if full[i:i + 2].isascii() and full[i:i + 2].isalnum())
+    stop = full[start:start + 2]
+    server = start_server(EngineConfig(str(path), kv_cache_memory="16MiB"))
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": "the quick brown fox", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "stop": [stop]}).json()
+        choice = r["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        assert choice["text"] == full[:full.index(stop)]
+        assert server.wait_idle()
+    finally:
+        server.stop()
+
+
+def test_an_engine_that_cannot_start_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="nothing-here"):
+        AsyncEngine(EngineConfig(str(tmp_path / "nothing-here")))
+    assert not children_of(os.getpid())
+
+
+def test_kill_9_of_the_engine_ends_requests_with_an_error_and_the_server(tiny_model):
+    server = ServeProcess(tiny_model("llama-gqa"))
+    try:
+        events: list = []
+        started = threading.Event()
+        reader = threading.Thread(target=stream_completion, args=(
+            server.url, {"prompt": "the quick", "max_tokens": 500, "ignore_eos": True},
+            events, started))
+        reader.start()
+        assert started.wait(30)
+        os.kill(server.engine_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        unhealthy = None
+        while time.monotonic() - killed < 1.0:
+            try:
+                if httpx.get(f"{server.url}/health", timeout=0.5).status_code == 503:
+                    unhealthy = time.monotonic() - killed
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+        assert unhealthy is not None and unhealthy < 1.0
+        reader.join(10)
+        assert not reader.is_alive()
+        assert events[-1] == "done" and "error" in events[-2], events[-2:]
+        assert events[-2]["error"]["code"] == "engine_dead"
+        # A new request is refused at once, then the server exits with status 1.
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       timeout=10)
+        assert r.status_code == 503
+        assert server.process.wait(timeout=30) == 1
+        assert "the engine stopped" in server.process.stderr.read()
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_the_requests_then_both_processes_exit(tiny_model):
+    server = ServeProcess(tiny_model("llama-gqa"), "--shutdown-timeout", "30")
+    try:
+        events: list = []
+        started = threading.Event()
+        reader = threading.Thread(target=stream_completion, args=(
+            server.url, {"prompt": "the quick", "max_tokens": 400, "ignore_eos": True,
+                         "temperature": 0}, events, started))
+        reader.start()
+        assert started.wait(30)
+        server.process.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert events[-1] == "done"
+        chunks = [e for e in events[:-1] if isinstance(e, dict)]
+        assert not any("error" in c for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # all 400 tokens
+        server.process.wait(timeout=30)
+        assert gone(server.engine_pid, 10)
+    finally:
+        server.stop()
