@@ -11,6 +11,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 # Weight formats of --quantization (model.quantize); "gguf" keeps a GGUF file's own.
 QUANTIZATION_METHODS = ("int8", "q8_0", "q4_0", "q4_1", "gguf")
+LOAD_FORMATS = ("auto", "dummy")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
 
@@ -99,6 +100,11 @@ class EngineConfig:
     # Speculative decoding, vLLM's JSON: {"method": "ngram", "num_speculative_tokens":
     # 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}. None: off.
     speculative_config: dict[str, Any] | str | None = None
+    # "auto": the checkpoint's weights; "dummy": random weights for the model's
+    # config.json (no weight files needed), or for a named shape given as the
+    # model ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"): benchmarks at real
+    # sizes without a download.
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         def positive_int(name: str, allow_none: bool = False) -> None:
@@ -150,6 +156,16 @@ class EngineConfig:
                                                      or self.model.endswith(".gguf")):
                 raise ValueError("quantization 'gguf' needs a .gguf model file (or the default "
                                  f"model), got model {self.model!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
+                             f"got {self.load_format!r}")
+        from inflight.model.shapes import is_named_shape
+        if is_named_shape(self.model) and self.load_format != "dummy":
+            raise ValueError(f"model {self.model!r} is a named shape with no weights: it needs "
+                             "load_format 'dummy'")
+        if self.load_format == "dummy" and self.quantization == "gguf":
+            raise ValueError("quantization 'gguf' reads a GGUF file's weights; with load_format "
+                             "'dummy' there are none (use int8, q8_0, q4_0 or q4_1)")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.speculative_config is not None:

@@ -114,21 +114,29 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     # Noise only ever slows a run down: the fastest of a configuration's runs.
     results = [max(runs[c], key=lambda r: r.output_tokens_per_second) for c in configs]
     assert engine is not None and requests is not None
+    facts = EngineFacts(engine.runner.device, engine.runner.dtype, engine.runner.num_parameters)
+    pad = engine.tokenizer.token_to_id(engine.tokenizer.special_tokens.get("pad_token", "")) \
+        if engine.tokenizer else None
+    eos = sorted(engine.eos_token_ids)
+    if args.baseline is not None:
+        # The transformers model needs the memory the engine holds (at 8B on one
+        # GPU, both do not fit): drop the engine first.
+        engine = None
+        gc.collect()
+        if facts.device.type == "cuda":
+            torch.cuda.empty_cache()
     if args.baseline == "hf":
         print(f"running Hugging Face generate, static batches of {args.hf_batch_size} ...", flush=True)
-        pad = engine.tokenizer.token_to_id(engine.tokenizer.special_tokens.get("pad_token", "")) \
-            if engine.tokenizer else None
         results.append(run_hf_generate(
             resolve_model_dir(base.model), requests, batch_size=args.hf_batch_size,
-            ignore_eos=args.ignore_eos, dtype=engine.runner.dtype, device=engine.runner.device,
-            pad_token_id=pad if pad is not None else 0, eos_token_ids=sorted(engine.eos_token_ids)))
+            ignore_eos=args.ignore_eos, dtype=facts.dtype, device=facts.device,
+            pad_token_id=pad if pad is not None else 0, eos_token_ids=eos))
     if args.baseline == "hf-continuous":
         print("running Hugging Face continuous batching (generate_batch) ...", flush=True)
         results.append(run_hf_continuous(
             resolve_model_dir(base.model), requests, ignore_eos=args.ignore_eos,
-            dtype=engine.runner.dtype, device=engine.runner.device,
-            eos_token_ids=sorted(engine.eos_token_ids)))
-    report = _report(args, base, engine, requests, results)
+            dtype=facts.dtype, device=facts.device, eos_token_ids=eos))
+    report = _report(args, base, facts, requests, results)
     if args.repeat > 1:
         report["repeat"] = {"rounds": args.repeat, "output_tokens_per_second": {
             f"{r.label} max_num_seqs={r.max_num_seqs}": [x.output_tokens_per_second
@@ -141,7 +149,17 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     return 0
 
 
-def _report(args: argparse.Namespace, base: EngineConfig, engine: LLMEngine,
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """What the report needs of the engine, which is gone by then when a
+    baseline ran."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_parameters: int
+
+
+def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineFacts,
             requests: list[BenchRequest], results: list[ThroughputResult]) -> dict[str, Any]:
     print()
     width = max(12, *(len(r.label) + 2 for r in results))
@@ -172,12 +190,12 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: LLMEngine,
     if not args.model_stub:
         measured = _matmul_flops_by_kernel(engine)
         flops = max(measured.values())
-        params = engine.runner.num_parameters
+        params = engine.num_parameters
         roofline = flops / (2 * params)
         best = max(engine_runs, key=lambda r: r.total_tokens_per_second)
         pct = 100 * best.total_tokens_per_second / roofline
         kernels = ", ".join(f"{name} {value / 1e9:.0f}" for name, value in measured.items())
-        print(f"\nroofline: {flops / 1e9:.0f} GFLOP/s (the best 2048^3 {engine.runner.dtype} "
+        print(f"\nroofline: {flops / 1e9:.0f} GFLOP/s (the best 2048^3 {engine.dtype} "
               f"matmul: {kernels}) / (2 x {params / 1e6:.1f}M parameters) = {roofline:.0f} "
               f"tokens/s; best run {best.total_tokens_per_second:.0f} total tokens/s = "
               f"{pct:.0f}% of roofline")
@@ -207,12 +225,12 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: LLMEngine,
     return report
 
 
-def _matmul_flops_by_kernel(engine: LLMEngine) -> dict[str, float]:
+def _matmul_flops_by_kernel(engine: EngineFacts) -> dict[str, float]:
     """The roofline's FLOP/s, as fast as this machine multiplies matrices:
     PyTorch's product, and on the CPU in float32 also the C kernels' own (the
     engine's, faster than PyTorch's at some sizes: a roofline from PyTorch's
     alone would flatter the engine)."""
-    device, dtype = engine.runner.device, engine.runner.dtype
+    device, dtype = engine.device, engine.dtype
     measured = {"torch": matmul_flops(device, dtype)}
     lib = load_library() if device.type == "cpu" and dtype == torch.float32 else None
     if lib is not None:

@@ -178,7 +178,11 @@ def _hf_model(model_dir: Path, requests: list[BenchRequest], dtype: torch.dtype,
     if any(r.follows is not None or r.prompt_token_ids is None for r in requests):
         raise ValueError("the Hugging Face baselines run independent token-id prompts, "
                          "not conversations")
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if any(model_dir.glob("*.safetensors")):
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    else:  # a config with no weights (the engine ran load_format dummy): random ones
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.to(device).eval()
 
 

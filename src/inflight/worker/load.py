@@ -17,6 +17,7 @@ from inflight.attention.cpu_paged import CpuPagedBackend
 from inflight.config import EngineConfig
 from inflight.model.config import ModelConfig
 from inflight.model.cpu_layers import CpuDecoderLayers
+from inflight.model.dummy_weights import fill_dummy_weights
 from inflight.model.layers import pack_linear_weights
 from inflight.model.loader import gguf_file, iter_safetensors
 from inflight.model.quantize import (load_gguf_blocks, quantize_weights, read_gguf_weights,
@@ -151,17 +152,25 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
 
 def _load_weights(model: torch.nn.Module, config: EngineConfig, model_dir: Path,
                   dtype: torch.dtype, ops: TorchOps) -> None:
-    """The checkpoint's weights into ``model``, quantized as configured."""
+    """The checkpoint's weights (random ones for load_format dummy) into
+    ``model``, quantized as configured."""
     method = config.quantization
+    dummy = config.load_format == "dummy"
     if method is None:
-        model.load_weights(iter_safetensors(model_dir, dtype))
+        if dummy:
+            fill_dummy_weights(model, config.seed)
+        else:
+            model.load_weights(iter_safetensors(model_dir, dtype))
         return
     if not isinstance(ops, CpuOps) or dtype != torch.float32:
         raise ValueError(f"quantization {method!r} runs on the CPU's C kernels: it needs "
                          "device cpu, dtype float32 and a C compiler")
     quant_ops = QuantOps(load_library(), None if method == "gguf" else method)
     if method != "gguf":
-        model.load_weights(iter_safetensors(model_dir, dtype))
+        if dummy:
+            fill_dummy_weights(model, config.seed)
+        else:
+            model.load_weights(iter_safetensors(model_dir, dtype))
         quantize_weights(model, quant_ops)
         return
     floats, blocks = read_gguf_weights(gguf_file(config.model), model_dir)

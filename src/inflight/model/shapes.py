@@ -1,0 +1,56 @@
+"""Named model shapes for ``load_format="dummy"``: the sizes of well-known
+models, so that a benchmark can run a Llama-3.1-8B-sized engine with random
+weights and no download. Each is written once as a model directory (its
+config.json, and the default model's tokenizer, whose vocabulary it takes, so
+that prompts and outputs are text)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from inflight.cache import cache_root
+
+# Sizes of the published configs (RoPE scaling left out: it changes no cost).
+NAMED_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                     "tie_word_embeddings": True},
+    "llama-3.2-3b": {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+                     "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+                     "tie_word_embeddings": True},
+    "llama-3.1-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                     "tie_word_embeddings": False},
+}
+_COMMON = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
+           "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "hidden_act": "silu"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                    "special_tokens_map.json", "chat_template.jinja")
+_LAYOUT_VERSION = 1  # bump when what is written changes
+
+
+def is_named_shape(model: str | None) -> bool:
+    return model in NAMED_SHAPES and not Path(model).exists()
+
+
+def named_shape_dir(name: str, tokenizer_dir: Path) -> Path:
+    """The directory of shape ``name`` (config.json and ``tokenizer_dir``'s
+    tokenizer files), written on first use."""
+    out = cache_root() / "shapes" / f"{name}-v{_LAYOUT_VERSION}"
+    if (out / "config.json").exists():
+        return out
+    source = json.loads((tokenizer_dir / "config.json").read_text())
+    config = {key: source[key] for key in ("vocab_size", "bos_token_id", "eos_token_id")
+              if key in source} | _COMMON | NAMED_SHAPES[name]
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for file in _TOKENIZER_FILES:
+        if (tokenizer_dir / file).exists():
+            shutil.copy(tokenizer_dir / file, staging / file)
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    staging.rename(out)  # whole or not at all, for a concurrent start
+    return out
