@@ -580,13 +580,18 @@ def faulty_detokenizer(monkeypatch):
     """Requests with seed FAULT_SEED break the detokenizer at their third token."""
     from inflight.engine.output import SequenceDetokenizer
 
-    original = SequenceDetokenizer.add_token
+    original_init, original_add = SequenceDetokenizer.__init__, SequenceDetokenizer.add_token
+
+    def init(self, tokenizer, params, stream):
+        original_init(self, tokenizer, params, stream)
+        self.faulty = params.seed == FAULT_SEED
 
     def add_token(self, token_id, num_output_tokens):
-        if self.request.sampling_params.seed == FAULT_SEED and num_output_tokens >= 3:
+        if self.faulty and num_output_tokens >= 3:
             raise RuntimeError("injected detokenizer fault")
-        return original(self, token_id, num_output_tokens)
+        return original_add(self, token_id, num_output_tokens)
 
+    monkeypatch.setattr(SequenceDetokenizer, "__init__", init)
     monkeypatch.setattr(SequenceDetokenizer, "add_token", add_token)
 
 

@@ -284,8 +284,9 @@ class OutputProcessor:
     def process(self, step: CoreOutputs) -> ProcessedStep:
         """Take in one step's outputs: returns an output for each DELTA request
         with news, each finished request (which is then forgotten) and each
-        beam search that ended. A sequence that meets a stop string here is
-        also noted as finished in the step's stats."""
+        beam search that ended. A sequence that meets a stop string here, or
+        whose handling fails here, is also noted as finished in the step's
+        stats (with reason stop or error)."""
         done = ProcessedStep(ended={e.request_id: (e.why, e.message) for e in step.ended})
         for beam in step.beams:
             request = self._beams.pop(beam.request_id, None)
@@ -315,6 +316,16 @@ class OutputProcessor:
                                                 len(group.prompt_token_ids),
                                                 len(sample.token_ids)))
                     step.stats.finished_ids.append(sample.sequence_id)
+        if step.stats is not None:  # failed here: the core will only hear of an abort
+            now = self.clock()
+            for rid in dict.fromkeys(done.failed):
+                group = self._groups[rid]
+                for s in group.samples:
+                    if not s.finished:
+                        step.stats.finished.append((FinishReason.ERROR.value,
+                                                    now - group.arrival_time,
+                                                    len(group.prompt_token_ids), len(s.token_ids)))
+                        step.stats.finished_ids.append(s.sequence_id)
         for rid, (why, message) in done.ended.items():
             group = self._groups.get(rid)
             if group is not None and why == "failed":
