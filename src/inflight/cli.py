@@ -281,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--output-json", default=None)
     pk.set_defaults(func=_bench_packing)
 
-    kn = bench.add_parser("kernels", help="the CPU float32 kernels alone (linear layers, decode "
-                                          "and prompt attention) against the memory bandwidth")
+    kn = bench.add_parser("kernels", help="the CPU kernels alone (linear layers, decode and "
+                                          "prompt attention) against the memory bandwidth")
     kn.add_argument("--model", default=None,
                     help="whose shapes (its config.json; default: the shipped model)")
     kn.add_argument("--rows", default="1,4,12,16,32,64",
@@ -294,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     kn.add_argument("--block-order", default="random,in order",
                     help="comma list of how each decode sequence's blocks lie in the cache: "
                          "random (a long-running server's) and/or in order (a fresh engine's)")
+    kn.add_argument("--weights", default="float32",
+                    help="comma list of weight formats for the linear layers: float32, bf16, "
+                         "int8, w8a8, q8_0, q4_0, q4_1")
+    kn.add_argument("--kv-dtype", default="float32",
+                    help="comma list of KV cache dtypes for attention: float32, bfloat16")
     kn.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     kn.add_argument("--repeats", type=int, default=5, help="passes per figure (the best kept)")
     kn.add_argument("--num-threads", type=int, default=None,
