@@ -4,9 +4,13 @@
  *
  * Two ways, by build:
  *  - widened (every build but INFLIGHT_AVX512_BF16): each weight widened to
- *    float32 in registers (a 16-bit shift) and multiplied by float32 x with
- *    FMA, the float32 kernel's own loop: its arithmetic, bit for bit, on half
- *    the bytes (what a decode step is bound by);
+ *    float32 (a 16-bit shift) and multiplied by float32 x with FMA, the float32
+ *    kernel's arithmetic, bit for bit: a few rows (decode) widen in registers
+ *    and read half the bytes (what a decode step is bound by); from
+ *    BF16_SCRATCH_MIN_ROWS rows on each panel is widened once into a float32
+ *    scratch panel in L2 and the float32 kernel runs over it (widened in
+ *    registers, four more vector registers a step cost AVX2 its six-row tiles:
+ *    half float32's speed at 64 rows);
  *  - dot products (INFLIGHT_AVX512_BF16): each row of x rounded to bf16 once
  *    per call, then vdpbf16ps adds each pair of k's two products into a
  *    float32 sum per column: one instruction for 16 columns x 2 k, twice the
@@ -124,19 +128,58 @@ int inflight_bf16_linear(const float *x, const uint8_t *packed, const float *bia
 
 #else
 
+#define BF16_SCRATCH_MIN_ROWS 16
+
+/* A bf16 panel as float32 [K][16] (the float32 kernel's layout). */
+static void widen_panel(const uint8_t *panel, int64_t k, float *wide)
+{
+    for (int64_t s = 0; s < k / 2; s++) {
+        const v8u lo = *(const v8u *)(panel + s * LINEAR_STEP_BYTES);
+        const v8u hi = *(const v8u *)(panel + s * LINEAR_STEP_BYTES + 32);
+        float *w = wide + 2 * s * LINEAR_NR;
+        *(v8f *)w = (v8f)(lo << 16);
+        *(v8f *)(w + 8) = (v8f)(hi << 16);
+        *(v8f *)(w + LINEAR_NR) = (v8f)(lo & 0xffff0000u);
+        *(v8f *)(w + LINEAR_NR + 8) = (v8f)(hi & 0xffff0000u);
+    }
+    if (k & 1) {
+        const uint8_t *last = panel + k / 2 * LINEAR_STEP_BYTES;
+        *(v8f *)(wide + (k - 1) * LINEAR_NR) = (v8f)(*(const v8u *)last << 16);
+        *(v8f *)(wide + (k - 1) * LINEAR_NR + 8) = (v8f)(*(const v8u *)(last + 32) << 16);
+    }
+}
+
 int inflight_bf16_linear(const float *x, const uint8_t *packed, const float *bias, float *y,
                          int64_t m, int64_t n, int64_t k)
 {
     const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR;
     const int64_t panel_bytes = panel_steps(WEIGHTS_BF16, k) * LINEAR_STEP_BYTES;
-#pragma omp parallel for schedule(static) if (m * n * k > PARALLEL_MIN_WORK)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t col = p * LINEAR_NR;
-        linear_panel(x, m, k, packed + p * panel_bytes, WEIGHTS_BF16, NULL, bias, y, n, col,
-                     n - col < LINEAR_NR ? n - col : LINEAR_NR,
-                     p + 1 < panels ? packed + (p + 1) * panel_bytes : NULL);
+    const int scratch = m >= BF16_SCRATCH_MIN_ROWS;
+    int failed = 0;
+#pragma omp parallel if (m * n * k > PARALLEL_MIN_WORK)
+    {
+        /* Cache-line aligned: a vector load never straddles two lines. */
+        float *wide = scratch ? aligned_alloc(64, (size_t)(k * LINEAR_NR) * sizeof(float))
+                              : NULL;
+        if (scratch && wide == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t col = p * LINEAR_NR, cols = n - col < LINEAR_NR ? n - col : LINEAR_NR;
+            const uint8_t *panel = packed + p * panel_bytes;
+            if (!scratch) {
+                linear_panel(x, m, k, panel, WEIGHTS_BF16, NULL, bias, y, n, col, cols,
+                             p + 1 < panels ? panel + panel_bytes : NULL);
+            } else if (wide != NULL) {
+                widen_panel(panel, k, wide);
+                linear_panel(x, m, k, wide, WEIGHTS_F32, NULL, bias, y, n, col, cols, NULL);
+            }
+        }
+        free(wide);
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 #endif

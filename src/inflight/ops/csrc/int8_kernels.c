@@ -47,31 +47,48 @@ typedef struct {
     int32_t *offset;
 } a8_rows;
 
+/* One block of 32 (zero-padded) to a = round(x 127 / max |x|); returns dx.
+ * Straight loops over a whole block, so that they vectorise. */
+static inline float quantize_block(const float *xb, int8_t *a, uint8_t *abs_a, int32_t *sum)
+{
+    float amax = 0.0f;
+#pragma omp simd reduction(max:amax)
+    for (int j = 0; j < A8_BLOCK; j++)
+        amax = __builtin_fabsf(xb[j]) > amax ? __builtin_fabsf(xb[j]) : amax;
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int32_t total = 0;
+#pragma omp simd reduction(+:total)
+    for (int j = 0; j < A8_BLOCK; j++) {
+        float v = __builtin_nearbyintf(xb[j] * inv);
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        a[j] = (int8_t)v;
+        total += (int32_t)v;
+    }
+    if (abs_a) {
+#pragma omp simd
+        for (int j = 0; j < A8_BLOCK; j++)
+            abs_a[j] = (uint8_t)(a[j] < 0 ? -a[j] : a[j]);
+    }
+    *sum = total;
+    return amax / 127.0f;
+}
+
 static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t kp, a8_rows *q)
 {
     const int64_t blocks = kp / A8_BLOCK;
 #pragma omp parallel for if (m * k > PARALLEL_MIN_WORK)
     for (int64_t i = 0; i < m * blocks; i++) {
         const int64_t r = i / blocks, start = i % blocks * A8_BLOCK;
-        const int64_t len = k - start < A8_BLOCK ? k - start : A8_BLOCK;
         const float *xb = x + r * k + start;
-        float amax = 0.0f;
-        for (int64_t j = 0; j < len; j++) {
-            const float v = xb[j] < 0 ? -xb[j] : xb[j];
-            amax = v > amax ? v : amax;
+        float tail[A8_BLOCK];
+        if (k - start < A8_BLOCK) {  /* the last, partial block */
+            memset(tail, 0, sizeof tail);
+            memcpy(tail, xb, (size_t)(k - start) * sizeof(float));
+            xb = tail;
         }
-        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-        int8_t *ab = q->a + r * kp + start;
-        int32_t sum = 0;
-        for (int64_t j = 0; j < A8_BLOCK; j++) {
-            float v = j < len ? __builtin_nearbyintf(xb[j] * inv) : 0.0f;
-            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-            ab[j] = (int8_t)v;
-            sum += ab[j];
-            if (q->abs_a)
-                q->abs_a[r * kp + start + j] = (uint8_t)(ab[j] < 0 ? -ab[j] : ab[j]);
-        }
-        q->dx[i] = amax / 127.0f;
+        int32_t sum;
+        q->dx[i] = quantize_block(xb, q->a + r * kp + start,
+                                  q->abs_a ? q->abs_a + r * kp + start : NULL, &sum);
         if (q->offset)
             q->offset[i] = 128 * sum;
     }
@@ -243,6 +260,8 @@ static inline void a8_tile(const a8_rows *q, int64_t row0, int64_t kp, const uin
 #endif
 
 #ifndef INFLIGHT_AVX512_VNNI
+_Static_assert(A8_MR == 4, "a8_panel's tail takes up to 3 rows");
+
 /* All m rows against one panel: tiles of A8_MR rows, then the tail with a
  * constant row count. */
 static void a8_panel(const a8_rows *q, int64_t m, int64_t kp, const uint8_t *panel,

@@ -8,10 +8,12 @@
  *                 csrc/bf16_kernels.c; K odd: a zero pads the last pair).
  * The microkernel keeps a LINEAR_MR x 16 block of y in twelve vector registers
  * and, for each k, broadcasts MR x values against the panel's two weight
- * vectors (bf16 widened to float32 in registers by a 16-bit shift). Each output
- * is summed over k in the same order whatever M is, so a row's result does not
- * depend on the rest of the batch; and bf16 weights give the bits float32
- * weights of the same values would.
+ * vectors (bf16 widened to float32 in registers by a 16-bit shift: four
+ * weight vectors a step, so at most LINEAR_MR_BF16 rows, whose sums and
+ * weights fit AVX2's sixteen registers). Each output is summed over k in the
+ * same order whatever M is, so a row's result does not depend on the rest of
+ * the batch; and bf16 weights give the bits float32 weights of the same values
+ * would.
  */
 #ifndef INFLIGHT_LINEAR_KERNEL_H
 #define INFLIGHT_LINEAR_KERNEL_H
@@ -25,6 +27,7 @@
 
 #define LINEAR_NR 16
 #define LINEAR_MR 6
+#define LINEAR_MR_BF16 4
 /* Rows from which a panel's tiles prefetch the next panel (see linear_panel). */
 #define LINEAR_PREFETCH_ROWS 4
 #define LINEAR_STEP_BYTES 64
@@ -120,7 +123,8 @@ static inline __attribute__((always_inline)) void linear_block(
 
 /* All M rows against one panel, in ceil(M / LINEAR_MR) tiles of near-equal row
  * counts (8 rows: 4 + 4, not 6 + 2: a tile of one or two rows is bound by its
- * weight loads), each row count a constant so that its loop is unrolled.
+ * weight loads; bf16: LINEAR_MR_BF16), each row count a constant so that its
+ * loop is unrolled.
  *
  * `next` (or NULL) is the panel the thread takes next: from
  * LINEAR_PREFETCH_ROWS rows on, each tile prefetches its share of it, so that
@@ -132,7 +136,8 @@ static inline __attribute__((always_inline)) void linear_panel(
     const float *x, int64_t m, int64_t k, const void *panel, int wfmt, const float *scale,
     const float *bias, float *y, int64_t n, int64_t col, int64_t cols, const void *next)
 {
-    const int64_t tiles = (m + LINEAR_MR - 1) / LINEAR_MR, steps = panel_steps(wfmt, k);
+    const int64_t mr = wfmt == WEIGHTS_F32 ? LINEAR_MR : LINEAR_MR_BF16;
+    const int64_t tiles = (m + mr - 1) / mr, steps = panel_steps(wfmt, k);
     if (m < LINEAR_PREFETCH_ROWS)
         next = NULL;
     int64_t spacing = 1;  /* steps between prefetches: a power of two >= tiles */
