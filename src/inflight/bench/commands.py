@@ -181,10 +181,10 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: LLMEngine,
         best = max(engine_runs, key=lambda r: r.total_tokens_per_second)
         pct = 100 * best.total_tokens_per_second / roofline
         kernels = ", ".join(f"{name} {value / 1e9:.0f}" for name, value in measured.items())
-        print(f"\nroofline: {flops / 1e9:.0f} GFLOP/s (the best 2048^3 {engine.runner.dtype} "
-              f"matmul: {kernels}) / (2 x {params / 1e6:.1f}M parameters) = {roofline:.0f} "
-              f"tokens/s; best run {best.total_tokens_per_second:.0f} total tokens/s = "
-              f"{pct:.0f}% of roofline")
+        print(f"\nroofline: {flops / 1e9:.0f} GFLOP/s (the best 2048^3 matmul for "
+              f"{engine.runner.dtype}: {kernels}) / (2 x {params / 1e6:.1f}M parameters) = "
+              f"{roofline:.0f} tokens/s; best run {best.total_tokens_per_second:.0f} total "
+              f"tokens/s = {pct:.0f}% of roofline")
         report["roofline"] = {"matmul_flops": flops, "matmul_flops_by_kernel": measured,
                               "parameters": params, "tokens_per_second": roofline,
                               "best_percent": pct}

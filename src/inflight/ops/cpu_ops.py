@@ -205,5 +205,6 @@ class CpuOps(TorchOps):
 
 def _kv_bf16(cache: torch.Tensor) -> int:
     if cache.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"the CPU kernels keep the KV cache in float32 or bfloat16, not {cache.dtype}")
+        raise ValueError("the CPU kernels keep the KV cache in float32 or bfloat16, not "
+                         f"{cache.dtype}")
     return int(cache.dtype == torch.bfloat16)

@@ -45,7 +45,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, kernel_backend: str = "auto") -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device,
+                  kernel_backend: str = "auto") -> torch.dtype:
     """``auto``: bfloat16 on CUDA (where its matrix products are fast); on the
     CPU, bfloat16 where the C kernels run on a CPU with bf16 dot products
     (the ``avx512bf16`` build, ``ops.cpu_isa``), as vLLM's CPU backend picks it,

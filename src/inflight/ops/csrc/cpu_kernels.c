@@ -66,7 +66,8 @@ static inline __attribute__((always_inline)) const void *kv_at(const void *base,
 
 static inline __attribute__((always_inline)) v8f kv_load8(const void *base, int64_t i, int kv16)
 {
-    return kv16 ? bf16x8_to_float((const uint16_t *)base + i) : *(const v8f *)((const float *)base + i);
+    return kv16 ? bf16x8_to_float((const uint16_t *)base + i)
+                : *(const v8f *)((const float *)base + i);
 }
 
 static inline __attribute__((always_inline)) float kv_load1(const void *base, int64_t i, int kv16)
@@ -414,7 +415,8 @@ void inflight_write_kv(const float *k, int64_t k_stride, const float *v, int64_t
     for (int64_t t = 0; t < num_tokens; t++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t dst = (h * num_slots + slots[t]) * head_dim;
-            const float *kt = k + t * k_stride + h * head_dim, *vt = v + t * v_stride + h * head_dim;
+            const float *kt = k + t * k_stride + h * head_dim;
+            const float *vt = v + t * v_stride + h * head_dim;
             if (kv_bf16) {
                 floats_to_bf16(kt, (uint16_t *)k_cache + dst, head_dim);
                 floats_to_bf16(vt, (uint16_t *)v_cache + dst, head_dim);
