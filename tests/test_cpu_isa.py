@@ -235,3 +235,22 @@ def test_the_emulated_avx512_engine_decodes_w8a8_as_avx2_does(tiny_model, monkey
     assert run("avx512bf16-emulated") == run("avx2")
     monkeypatch.setenv("INFLIGHT_CPU_ISA", "avx512bf16-emulated")
     assert LLM(path, kv_cache_memory="8MiB").engine.runner.dtype == torch.bfloat16
+
+
+def test_the_best_avx512_build_compiles_where_it_cannot_run():
+    """On a machine without AVX-512 the real ``avx512bf16`` build (the
+    intrinsics, not SIMDe's) is never loaded; it must still compile, so that
+    its source cannot rot unseen until it meets a CPU that runs it."""
+    from inflight.ops.c_build import BuildError
+    from inflight.ops.cpu_ops import build_kernels
+
+    isa = cpu_isa.BY_NAME["avx512bf16"]
+    if isa.needs <= cpu_isa.host_features():
+        pytest.skip("this CPU runs the build: the tests above load and run it")
+    try:
+        library = build_kernels(isa)
+    except BuildError as e:
+        if "unrecognized" in str(e) or "unknown" in str(e):
+            pytest.skip(f"this compiler does not know AVX-512 BF16's flags: {str(e)[-200:]}")
+        raise
+    assert library.stat().st_size > 0

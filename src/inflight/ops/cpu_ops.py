@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -80,7 +81,7 @@ def _load(requested: str | None) -> ctypes.CDLL | None:
     candidates = [first] if requested else cpu_isa.runnable(features)
     for isa in candidates:
         try:
-            path = _build(isa)
+            path = build_kernels(isa)
         except BuildError as e:
             if requested:
                 raise ValueError(f"{cpu_isa.ENV}={requested}: the kernels do not build "
@@ -100,7 +101,9 @@ def _load(requested: str | None) -> ctypes.CDLL | None:
     return None
 
 
-def _build(isa: cpu_isa.Isa):
+def build_kernels(isa: cpu_isa.Isa) -> Path:
+    """The kernels' shared library for ``isa`` (built unless cached); it may be
+    built on any x86-64 machine but runs only where ``isa.needs`` holds."""
     flags = [*FLAGS, *isa.flags, *(f"-D{name}=1" for name in isa.defines),
              f'-DINFLIGHT_ISA_NAME="{isa.name}"']
     return build_library(f"cpu_kernels-{isa.name}", SOURCES, HEADERS, flags, ["-lm"])
