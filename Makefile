@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.7.1
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: run test clean browser
+.PHONY: run test clean browser simde
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,16 @@ browser:
 	  --no-install-recommends chromium chromium-driver >/dev/null; } \
 	  || echo "note: Chromium could not be installed; the dashboard's browser test will skip"
 
-test: $(VENV)/.test browser
+# The AVX-512 kernels' tests run their source on this machine against SIMDe's
+# portable AVX-512 (Debian's libsimde-dev headers); where it cannot be
+# installed those tests skip and say why.
+simde:
+	@[ -f /usr/include/simde/x86/avx512/dpbusd.h ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends libsimde-dev >/dev/null; } \
+	  || echo "note: SIMDe could not be installed; the emulated AVX-512 kernel tests will skip"
+
+test: $(VENV)/.test browser simde
 	$(BIN)/python -m pytest -q
 
 clean:

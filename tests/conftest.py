@@ -33,10 +33,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 
 @pytest.fixture(scope="session")
 def default_llm():
-    """The default model, fp32, shared by the end-to-end tests that need no special options."""
+    """The default model, fp32 (what dtype "auto" picks on CPUs without bf16 dot
+    products), shared by the end-to-end tests that need no special options."""
     from inflight import LLM
 
-    return LLM(kv_cache_memory="512MiB")
+    return LLM(dtype="float32", kv_cache_memory="512MiB")
 
 
 @pytest.fixture

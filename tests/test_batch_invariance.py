@@ -49,6 +49,27 @@ def test_tiny_model_batch_invariance(tiny_model, mode, sampling):
     assert swaps > 0 if mode == "swap" else swaps == 0
 
 
+@pytest.mark.parametrize("options", [{"dtype": "bfloat16"},
+                                     {"dtype": "float32", "quantization": "w8a8"}],
+                         ids=["bf16", "w8a8"])
+def test_c_kernels_batch_invariance_in_other_formats(tiny_model, options):
+    """On the C kernels with bf16 weights and KV cache (activations rounded to
+    bf16 where the CPU has bf16 dot products), or W8A8 (activations rounded to
+    int8 per row): a request's greedy tokens are those it gets alone, whatever
+    the batch, chunking and preemption."""
+    path = str(tiny_model("llama-gqa"))
+    rng = random.Random(2)
+    prompts = random_prompts(24, vocab=384, min_len=2, max_len=120, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 40), ignore_eos=True)
+              for _ in prompts]
+    roomy = LLM(path, kv_cache_memory="16MiB", **options)
+    assert roomy.engine.runner.model.fused_layers is not None
+    expected = _alone(roomy, prompts, params)
+    tight = LLM(path, num_kv_blocks=20, max_model_len=320, max_num_batched_tokens=40,
+                max_num_seqs=12, **options)
+    assert _together_under_pressure(tight, prompts, params) == expected
+
+
 @pytest.mark.slow
 def test_default_model_batch_invariance(default_llm):
     rng = random.Random(1)

@@ -136,6 +136,19 @@ def test_cli_throughput_and_sweep(tiny_model, tmp_path, capsys):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_throughput_per_dtype_and_weight_format(tiny_model, tmp_path):
+    """Each (format, dtype) pair is a run of its own, labelled by both (the
+    machinery alone: a no-op model)."""
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", str(tiny_model("llama-gqa")),
+                 "--num-requests", "3", "--ignore-eos", "--kv-cache-memory", "16MiB",
+                 "--quantization", "none,w8a8", "--dtype", "float32,bfloat16", "--model-stub",
+                 "--output-json", str(out)]) == 0
+    labels = {r["label"] for r in json.loads(out.read_text())["results"]}
+    assert labels == {f"continuous/weights-{w}/dtype-{d}" for w in ("none", "w8a8")
+                      for d in ("float32", "bfloat16")}
+
+
 def test_each_run_builds_its_engine_after_the_last_one_is_freed(tiny_model, monkeypatch):
     """On a GPU the KV cache takes what memory is free, so a run's engine must be
     gone before the next is built (a list of configurations failed on an H100)."""

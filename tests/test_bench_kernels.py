@@ -50,10 +50,34 @@ def test_each_figure_counts_the_bytes_and_flops_of_its_shape(tiny_model, tmp_pat
     assert "decode attention" in printed and "of read" in printed
 
 
+def test_other_weight_formats_and_a_bf16_cache_count_their_own_bytes(tiny_model, tmp_path):
+    model = tiny_model("llama-gqa")
+    cfg = read_model_config(model)
+    out = tmp_path / "kernels.json"
+    assert main(["bench", "kernels", "--model", str(model), "--rows", "2", "--decode", "2x40",
+                 "--prompt", "", "--block-order", "random", "--repeats", "1",
+                 "--weights", "float32,bf16,w8a8", "--kv-dtype", "float32,bfloat16",
+                 "--output-json", str(out)]) == 0
+    rows = {(r["kernel"], r["shape"]): r for r in json.loads(out.read_text())["results"]}
+    h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    shapes = [((heads + 2 * kv_heads) * d, h), (h, heads * d),
+              (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+    padded = sum(-(-n // 16) * 16 * k for n, k in shapes) * layers  # k: multiples of 32 here
+    scales = sum(-(-n // 16) * 16 * 4 for n, _ in shapes) * layers
+    assert rows["linear", "m=2 float32"]["bytes"] == 4 * padded
+    assert rows["linear", "m=2 bf16"]["bytes"] == 2 * padded
+    assert rows["linear", "m=2 w8a8"]["bytes"] == padded + scales
+    assert (rows["decode attention", "2x40 random"]["bytes"]
+            == 2 * rows["decode attention", "2x40 random bf16"]["bytes"]
+            == 2 * 2 * 40 * kv_heads * d * 4 * layers)
+
+
 @pytest.mark.parametrize("option,value", [("--rows", "0"), ("--rows", "4,x"),
                                           ("--decode", "12by300"), ("--prompt", "0x512"),
                                           ("--block-size", "0"), ("--block-order", "sideways"),
-                                          ("--block-order", "")])
+                                          ("--block-order", ""), ("--weights", "fp8"),
+                                          ("--kv-dtype", "float16")])
 def test_bad_shapes_are_refused_by_name(tiny_model, option, value, capsys):
     code = main(["bench", "kernels", "--model", str(tiny_model("llama-gqa")), option, value])
     assert code == 2

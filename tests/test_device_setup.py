@@ -19,11 +19,25 @@ from inflight.worker.load import resolve_dtype
 GiB = 2**30
 
 
-def test_dtype_auto_is_bf16_on_cuda_and_float32_elsewhere():
+def test_dtype_auto_is_bf16_on_cuda_and_on_cpus_with_bf16_dot_products(monkeypatch):
+    from inflight.ops import cpu_isa
+    from inflight.ops.cpu_ops import library_isa, load_library
+
     assert EngineConfig().dtype == "auto"
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("float16", torch.device("cuda")) == torch.float16
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, "torch") == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    if load_library() is None:
+        assert resolve_dtype("auto", cpu) == torch.float32
+        return
+    native = library_isa(load_library()).native_bf16
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+    runnable = {isa.name for isa in cpu_isa.runnable(cpu_isa.host_features())}
+    if "avx2" in runnable:  # AVX2 widens bf16: float32 stays the default there
+        monkeypatch.setenv("INFLIGHT_CPU_ISA", "avx2")
+        assert resolve_dtype("auto", cpu) == torch.float32
 
 
 def test_gpu_options_are_validated():

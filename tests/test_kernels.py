@@ -176,17 +176,27 @@ def test_a_lone_decode_gets_the_bits_it_gets_in_a_batch(ops, heads, kv_heads, di
         assert torch.equal(alone[0], batched[i]), int(lens[i])
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "mistral-window"])
-def test_the_decoder_stack_in_one_call_matches_the_modules(tiny_model, name):
+@pytest.mark.parametrize("name, weights", [
+    ("llama-gqa", "float32"), ("qwen2-bias", "float32"), ("mistral-window", "float32"),
+    ("llama-gqa", "bfloat16"), ("qwen2-bias", "bfloat16"), ("llama-gqa", "w8a8"),
+    ("mistral-window", "w8a8")])
+def test_the_decoder_stack_in_one_call_matches_the_modules(tiny_model, name, weights):
     """The C decoder stack (one call per step) computes what the model's modules
-    compute through the same kernels one call at a time."""
+    compute through the same kernels one call at a time: float32, bf16 weights
+    and KV cache (tied and untied embeddings), W8A8."""
     from helpers import random_prompts
 
     from inflight import LLM, SamplingParams
 
-    llm = LLM(str(tiny_model(name)), kv_cache_memory="8MiB", enable_prefix_caching=False)
+    options = ({"dtype": weights} if weights != "w8a8"
+               else {"dtype": "float32", "quantization": weights})
+    llm = LLM(str(tiny_model(name)), kv_cache_memory="8MiB", enable_prefix_caching=False,
+              **options)
     model = llm.engine.runner.model
     assert model.fused_layers is not None
+    if weights == "bfloat16":
+        assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+        assert model.embed_tokens.packed.format == "bf16"
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 384, 3, 60, seed=1)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
 

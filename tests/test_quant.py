@@ -1,7 +1,8 @@
-"""Weight-quantized linear layers: the kernels of every format against a PyTorch
-reference that decodes GGUF blocks itself, the panels' layout, batch
-invariance across the kernels' two paths, and whole models (tiny random ones
-against the same model with dequantized float weights)."""
+"""Linear layers on stored weight formats (quantized, bf16): the kernels of every
+format against a PyTorch reference that decodes GGUF blocks itself, the panels'
+layout, batch invariance across the kernels' paths, and whole models (tiny
+random ones against the same model with dequantized float weights; the default
+model's perplexity)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ from safetensors.torch import load_file, save_file
 
 from inflight import LLM, SamplingParams
 from inflight.config import EngineConfig
-from inflight.ops.cpu_ops import load_library
-from inflight.ops.quant import QuantOps, pack_blocks, pack_int8, quantize_blocks
+from inflight.ops.cpu_ops import library_isa, load_library
+from inflight.ops.quant import (QuantOps, pack_bf16, pack_blocks, pack_int8, pack_w8a8,
+                                quantize_blocks)
 
 LIB = load_library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="the C kernels need a C compiler")
+# Formats whose kernels multiply activations as they come or at 16 bits: a
+# model in them computes what its dequantized weights compute.
 FORMATS = ["int8", "q8_0", "q4_0", "q4_1"]
+ALL_FORMATS = [*FORMATS, "w8a8", "bf16"]
 
 
 def reference_dequantize(fmt: str, blocks: np.ndarray, n: int, k: int) -> torch.Tensor:
@@ -42,22 +47,29 @@ def reference_dequantize(fmt: str, blocks: np.ndarray, n: int, k: int) -> torch.
 
 
 def reference_activations(fmt: str, x: torch.Tensor) -> torch.Tensor:
-    """x as the GGUF kernels multiply it: each row's blocks of 32 as int16
-    times max |x| / 32767 (int8 keeps float32 x)."""
-    if fmt == "int8":
+    """x as the kernels multiply it: GGUF, each row's blocks of 32 as int16
+    times max |x| / 32767; w8a8 the same in int8 (max |x| / 127); bf16 rounded
+    to bf16 where the CPU has bf16 dot products; int8 and bf16 elsewhere keep
+    float32 x."""
+    if fmt == "bf16" and library_isa(LIB).native_bf16:
+        return x.to(torch.bfloat16).double()
+    if fmt in ("int8", "bf16"):
         return x.double()
+    top = 127 if fmt == "w8a8" else 32767
     blocks = x.reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(dim=2, keepdim=True)
-    inv = torch.where(amax > 0, 32767.0 / amax, 0.0)  # float32, as the kernel
-    q = torch.round(blocks * inv).clamp(-32767, 32767)
-    return (q.double() * (amax / 32767.0).double()).reshape(x.shape)
+    inv = torch.where(amax > 0, top / amax, 0.0)  # float32, as the kernel
+    q = torch.round(blocks * inv).clamp(-top, top)
+    return (q.double() * (amax / top).double()).reshape(x.shape)
 
 
 def quantized(fmt: str, w: torch.Tensor):
     """(packed weight, its float64 reference)"""
     n, k = w.shape
-    if fmt == "int8":
-        packed = pack_int8(w)
+    if fmt == "bf16":
+        return pack_bf16(w), w.to(torch.bfloat16).double()
+    if fmt in ("int8", "w8a8"):
+        packed = pack_int8(w) if fmt == "int8" else pack_w8a8(w)
         scale = w.abs().amax(dim=1, keepdim=True).double() / 127
         q = torch.round(w.double() / torch.where(scale > 0, scale, 1.0)).clamp(-127, 127)
         return packed, q * scale
@@ -65,7 +77,7 @@ def quantized(fmt: str, w: torch.Tensor):
     return pack_blocks(fmt, blocks, n, k), reference_dequantize(fmt, blocks, n, k)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 @pytest.mark.parametrize("n,k", [(16, 32), (37, 64), (200, 96), (960, 576)])
 def test_quantized_linear_matches_the_dequantized_reference(fmt, n, k):
     torch.manual_seed(n * k)
@@ -83,7 +95,7 @@ def test_quantized_linear_matches_the_dequantized_reference(fmt, n, k):
             torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch(fmt):
     """Decode rows (direct path) and prompt chunks (scratch path) agree bit for bit."""
     torch.manual_seed(1)
@@ -97,7 +109,7 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(fmt):
             assert torch.equal(part, together[start:start + size]), (size, start)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_embedding_rows_from_the_quantized_matrix(fmt):
     torch.manual_seed(2)
     ops = QuantOps(LIB, fmt)
@@ -109,10 +121,10 @@ def test_embedding_rows_from_the_quantized_matrix(fmt):
 
 def test_packed_sizes_are_the_formats_bits_per_weight():
     w = torch.randn(64, 256)
-    sizes = {fmt: quantized(fmt, w)[0].nbytes / w.numel() for fmt in FORMATS}
-    # int8: 1 byte + a float32 scale per row; GGUF: block bytes / 32
-    assert sizes == pytest.approx({"int8": 1 + 4 / 256, "q8_0": 34 / 32, "q4_0": 18 / 32,
-                                   "q4_1": 20 / 32})
+    sizes = {fmt: quantized(fmt, w)[0].nbytes / w.numel() for fmt in ALL_FORMATS}
+    # int8, w8a8: 1 byte + a float32 scale per row; GGUF: block bytes / 32
+    assert sizes == pytest.approx({"int8": 1 + 4 / 256, "w8a8": 1 + 4 / 256, "q8_0": 34 / 32,
+                                   "q4_0": 18 / 32, "q4_1": 20 / 32, "bf16": 2})
 
 
 def test_int8_rounds_each_weight_to_its_nearest_step():
@@ -162,8 +174,8 @@ def test_quantized_model_computes_what_its_dequantized_weights_do(tiny_model, tm
                                                                   fmt):
     model_dir = tiny_model(name)
     prompts = [[5, 17, 33, 2, 90], list(range(40, 70)), [300, 7]]
-    quant = LLM(str(model_dir), quantization=fmt, kv_cache_memory="8MiB")
-    reference = LLM(str(dequantized_copy(model_dir, tmp_path / "ref", fmt)),
+    quant = LLM(str(model_dir), quantization=fmt, dtype="float32", kv_cache_memory="8MiB")
+    reference = LLM(str(dequantized_copy(model_dir, tmp_path / "ref", fmt)), dtype="float32",
                     kv_cache_memory="8MiB")
     tokens, logprobs = greedy(quant, prompts)
     ref_tokens, ref_logprobs = greedy(reference, prompts)
@@ -172,7 +184,7 @@ def test_quantized_model_computes_what_its_dequantized_weights_do(tiny_model, tm
     # logprob here; the reference multiplies float32 activations).
     tolerance = dict(rtol=1e-4, atol=1e-5) if fmt == "int8" else dict(rtol=0, atol=5e-3)
     np.testing.assert_allclose(np.array(logprobs), np.array(ref_logprobs), **tolerance)
-    plain = LLM(str(model_dir), kv_cache_memory="8MiB")
+    plain = LLM(str(model_dir), dtype="float32", kv_cache_memory="8MiB")
     assert quant.engine.runner.weight_bytes < plain.engine.runner.weight_bytes
 
 
@@ -205,20 +217,26 @@ def default_dequantized(tmp_path: Path, fmt: str) -> Path:
 
 @pytest.mark.slow
 def test_perplexity_of_every_format_on_the_default_model(default_llm, tmp_path):
-    """int8 within 1 % of float32; each GGUF format within 0.1 % of the same
-    blocks dequantized by the gguf package and run in float32 (for the file's
-    own Q4_1 blocks, the float32 default model is that reference)."""
+    """int8 and w8a8 within 1 % of float32, bf16 weights and KV cache within
+    0.5 %; each GGUF format within 0.1 % of the same blocks dequantized by the
+    gguf package and run in float32 (for the file's own Q4_1 blocks, the
+    float32 default model is that reference)."""
+    def llm(model: str | None = None, **options) -> LLM:
+        return LLM(model, **{"dtype": "float32", "kv_cache_memory": "256MiB", **options})
+
     fp32 = perplexity(default_llm)
     assert 5 < fp32 < 30  # an English text the model reads well
-    int8 = perplexity(LLM(quantization="int8", kv_cache_memory="256MiB"))
-    assert abs(int8 / fp32 - 1) < 0.01
-    own = LLM(quantization="gguf", kv_cache_memory="256MiB")
+    for fmt in ("int8", "w8a8"):
+        assert abs(perplexity(llm(quantization=fmt)) / fp32 - 1) < 0.01, fmt
+    bf16 = llm(dtype="bfloat16")
+    assert abs(perplexity(bf16) / fp32 - 1) < 0.005
+    assert bf16.engine.runner.weight_bytes < default_llm.engine.runner.weight_bytes / 2
+    own = llm(quantization="gguf")
     assert abs(perplexity(own) / fp32 - 1) < 0.001
     assert own.engine.runner.weight_bytes < default_llm.engine.runner.weight_bytes / 4
     for fmt in ("q8_0", "q4_0"):
-        reference = perplexity(LLM(str(default_dequantized(tmp_path, fmt)),
-                                   kv_cache_memory="256MiB"))
-        ours = perplexity(LLM(quantization=fmt, kv_cache_memory="256MiB"))
+        reference = perplexity(llm(str(default_dequantized(tmp_path, fmt))))
+        ours = perplexity(llm(quantization=fmt))
         assert abs(ours / reference - 1) < 0.001, fmt
 
 
@@ -258,7 +276,7 @@ def test_the_gguf_blocks_are_cached_beside_the_converted_model(tmp_path, monkeyp
 def test_the_default_models_own_blocks_decode_as_its_float_weights(default_llm):
     """The float32 default model is its GGUF blocks dequantized: greedy tokens
     from the blocks themselves match."""
-    own = LLM(quantization="gguf", kv_cache_memory="256MiB")
+    own = LLM(quantization="gguf", dtype="float32", kv_cache_memory="256MiB")
     prompts = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in own.generate(prompts, params, use_tqdm=False)]

@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput of one workload")
-    _add_bench_args(tp, exclude=("enable_prefix_caching", "speculative_config", "quantization"))
+    _add_bench_args(tp, exclude=("enable_prefix_caching", "speculative_config", "quantization",
+                                 "dtype"))
     tp.add_argument("--scheduling", dest="scheduling_list", default="continuous",
                     help="comma list of continuous, static")
     tp.add_argument("--max-num-seqs", dest="max_num_seqs_list", default=None,
@@ -152,8 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of ngram, suffix, off: speculative decoding per run "
                          "(default: off)")
     tp.add_argument("--quantization", dest="quantization_list", default="",
-                    help="comma list of none, int8, q8_0, q4_0, q4_1, gguf: the weight format "
-                         "per run (default: none)")
+                    help="comma list of none, int8, w8a8, q8_0, q4_0, q4_1, gguf: the weight "
+                         "format per run (default: none)")
+    tp.add_argument("--dtype", dest="dtype_list", default="",
+                    help="comma list of auto, float32, bfloat16, ...: the dtype per run "
+                         "(default: auto)")
     tp.add_argument("--num-speculative-tokens", type=int, default=4,
                     help="drafts per request and step when speculating")
     tp.add_argument("--hf-batch-size", type=int, default=16)
@@ -167,11 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     tp.set_defaults(func=_bench_throughput)
 
     pp = bench.add_parser("perplexity", help="perplexity of a text, per weight format")
-    add_engine_args(pp, exclude=("quantization",))
+    add_engine_args(pp, exclude=("quantization", "dtype"))
     pp.add_argument("--text", required=True, help="a UTF-8 text file to score")
     pp.add_argument("--quantization", dest="quantization_list", default="none",
-                    help="comma list of none, int8, q8_0, q4_0, q4_1, gguf (the first is the "
-                         "reference of the comparison column)")
+                    help="comma list of none, int8, w8a8, q8_0, q4_0, q4_1, gguf (the first is "
+                         "the reference of the comparison column)")
+    pp.add_argument("--dtype", dest="dtype_list", default="auto",
+                    help="comma list of dtypes, each scored with every --quantization (the "
+                         "first pair is the reference of the comparison column)")
     pp.add_argument("--chunk-size", type=int, default=512, help="tokens per prompt chunk")
     pp.add_argument("--output-json", default=None)
     pp.set_defaults(func=_bench_perplexity)
@@ -281,8 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--output-json", default=None)
     pk.set_defaults(func=_bench_packing)
 
-    kn = bench.add_parser("kernels", help="the CPU float32 kernels alone (linear layers, decode "
-                                          "and prompt attention) against the memory bandwidth")
+    kn = bench.add_parser("kernels", help="the CPU kernels alone (linear layers, decode and "
+                                          "prompt attention) against the memory bandwidth")
     kn.add_argument("--model", default=None,
                     help="whose shapes (its config.json; default: the shipped model)")
     kn.add_argument("--rows", default="1,4,12,16,32,64",
@@ -294,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     kn.add_argument("--block-order", default="random,in order",
                     help="comma list of how each decode sequence's blocks lie in the cache: "
                          "random (a long-running server's) and/or in order (a fresh engine's)")
+    kn.add_argument("--weights", default="float32",
+                    help="comma list of weight formats for the linear layers: float32, bf16, "
+                         "int8, w8a8, q8_0, q4_0, q4_1")
+    kn.add_argument("--kv-dtype", default="float32",
+                    help="comma list of KV cache dtypes for attention: float32, bfloat16")
     kn.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     kn.add_argument("--repeats", type=int, default=5, help="passes per figure (the best kept)")
     kn.add_argument("--num-threads", type=int, default=None,

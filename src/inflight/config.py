@@ -10,7 +10,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 # Weight formats of --quantization (model.quantize); "gguf" keeps a GGUF file's own.
-QUANTIZATION_METHODS = ("int8", "q8_0", "q4_0", "q4_1", "gguf")
+QUANTIZATION_METHODS = ("int8", "w8a8", "q8_0", "q4_0", "q4_1", "gguf")
 LOAD_FORMATS = ("auto", "dummy")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
@@ -35,7 +35,9 @@ class EngineConfig:
     """Engine options. ``model=None`` loads the default model (SmolLM2-135M-Instruct)."""
 
     model: str | None = None
-    # "auto": bfloat16 on CUDA, float32 on the CPU.
+    # "auto": bfloat16 on CUDA, and on a CPU with bf16 dot products (AVX512_BF16);
+    # else float32. On the CPU's C kernels bfloat16 stores the weights and the KV
+    # cache in bf16; activations, norms, softmax and sampling stay float32.
     dtype: str = "auto"
     # "auto" picks CUDA when available, else the CPU.
     device: str = "auto"
@@ -93,9 +95,10 @@ class EngineConfig:
     # tokens do not depend on the rest of the batch (the CPU kernels already are).
     batch_invariant: bool = False
     # Weight quantization (CPU): "int8" (per output channel, float32 activations),
-    # "q8_0", "q4_0", "q4_1" (GGUF block formats, quantized at load) or "gguf"
-    # (a GGUF model's own blocks); the GGUF formats round activations to int16 per
-    # block of 32. None: the weights in dtype.
+    # "w8a8" (the same weights times int8 activations, rounded per block of 32,
+    # as integers), "q8_0", "q4_0", "q4_1" (GGUF block formats, quantized at load)
+    # or "gguf" (a GGUF model's own blocks); the GGUF formats round activations to
+    # int16 per block of 32. None: the weights in dtype.
     quantization: str | None = None
     # Speculative decoding, vLLM's JSON: {"method": "ngram", "num_speculative_tokens":
     # 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}. None: off.

@@ -23,7 +23,8 @@ from inflight.config import EngineConfig
 from inflight.engine.llm_engine import LLMEngine
 from inflight.engine.factory import build_llm_engine
 from inflight.model.loader import resolve_model_dir
-from inflight.ops.cpu_ops import CpuOps, load_library
+from inflight.ops.cpu_ops import CpuOps, library_isa, load_library
+from inflight.ops.quant import QuantOps
 
 SWEEP_SEQS = (4, 8, 16, 32, 64, 128)
 
@@ -85,9 +86,11 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
                or [base.enable_prefix_caching])
     speculation = [x for x in args.speculative_list.split(",") if x] or ["off"]
     quantization = [x for x in args.quantization_list.split(",") if x] or ["none"]
+    dtypes = [x for x in args.dtype_list.split(",") if x] or [base.dtype]
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
-    configs = list(itertools.product(modes, preemption, caching, speculation, quantization, seqs))
+    configs = list(itertools.product(modes, preemption, caching, speculation, quantization,
+                                     dtypes, seqs))
     runs: dict[tuple, list[ThroughputResult]] = {config: [] for config in configs}
     requests = None
     engine = None
@@ -95,17 +98,18 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     # drifts (other tenants, memory bandwidth) slows every configuration alike.
     for round_ in range(args.repeat):
         for config in configs if round_ % 2 == 0 else configs[::-1]:
-            mode, preempt, cache, spec, quant, n = config
+            mode, preempt, cache, spec, quant, dtype, n = config
             engine = None
             engine = _engine(base, args.model_stub, scheduling=mode, max_num_seqs=n,
                              preemption_mode=preempt, enable_prefix_caching=cache,
                              speculative_config=_speculative(spec, args.num_speculative_tokens),
-                             quantization=None if quant == "none" else quant)
+                             quantization=None if quant == "none" else quant, dtype=dtype)
             requests = requests or load_workload(args, engine)
             label = "/".join([mode] + [preempt] * (len(preemption) > 1)
                              + [f"cache-{'on' if cache else 'off'}"] * (len(caching) > 1)
                              + [f"spec-{spec}"] * (len(speculation) > 1)
-                             + [f"weights-{quant}"] * (len(quantization) > 1))
+                             + [f"weights-{quant}"] * (len(quantization) > 1)
+                             + [f"dtype-{dtype}"] * (len(dtypes) > 1))
             print(f"running {label} batching, max_num_seqs={n}, {len(requests)} requests"
                   + (f" (round {round_ + 1} of {args.repeat})" if args.repeat > 1 else "")
                   + " ...", flush=True)
@@ -195,10 +199,10 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineFacts,
         best = max(engine_runs, key=lambda r: r.total_tokens_per_second)
         pct = 100 * best.total_tokens_per_second / roofline
         kernels = ", ".join(f"{name} {value / 1e9:.0f}" for name, value in measured.items())
-        print(f"\nroofline: {flops / 1e9:.0f} GFLOP/s (the best 2048^3 {engine.dtype} "
-              f"matmul: {kernels}) / (2 x {params / 1e6:.1f}M parameters) = {roofline:.0f} "
-              f"tokens/s; best run {best.total_tokens_per_second:.0f} total tokens/s = "
-              f"{pct:.0f}% of roofline")
+        print(f"\nroofline: {flops / 1e9:.0f} GFLOP/s (the best 2048^3 matmul for "
+              f"{engine.dtype}: {kernels}) / (2 x {params / 1e6:.1f}M parameters) = "
+              f"{roofline:.0f} tokens/s; best run {best.total_tokens_per_second:.0f} total "
+              f"tokens/s = {pct:.0f}% of roofline")
         report["roofline"] = {"matmul_flops": flops, "matmul_flops_by_kernel": measured,
                               "parameters": params, "tokens_per_second": roofline,
                               "best_percent": pct}
@@ -227,14 +231,21 @@ def _report(args: argparse.Namespace, base: EngineConfig, engine: EngineFacts,
 
 def _matmul_flops_by_kernel(engine: EngineFacts) -> dict[str, float]:
     """The roofline's FLOP/s, as fast as this machine multiplies matrices:
-    PyTorch's product, and on the CPU in float32 also the C kernels' own (the
-    engine's, faster than PyTorch's at some sizes: a roofline from PyTorch's
-    alone would flatter the engine)."""
+    PyTorch's product, and on the CPU in float32 or bfloat16 also the C
+    kernels' own (the engine's, faster than PyTorch's at some sizes: a roofline
+    from PyTorch's alone would flatter the engine)."""
     device, dtype = engine.device, engine.dtype
-    measured = {"torch": matmul_flops(device, dtype)}
-    lib = load_library() if device.type == "cpu" and dtype == torch.float32 else None
+    lib = (load_library() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+           else None)
+    if lib is not None and dtype == torch.bfloat16 and not library_isa(lib).native_bf16:
+        # Without bf16 dot products both widen to float32 (PyTorch's bf16
+        # product took minutes here): the machine's peak is float32's.
+        measured = {"torch": matmul_flops(device, torch.float32)}
+    else:
+        measured = {"torch": matmul_flops(device, dtype)}
     if lib is not None:
-        measured["inflight"] = matmul_flops(device, dtype, ops=CpuOps(lib))
+        ops = CpuOps(lib) if dtype == torch.float32 else QuantOps(lib, "bf16")
+        measured["inflight"] = matmul_flops(device, dtype, ops=ops)
     return measured
 
 

@@ -1,5 +1,5 @@
-"""``inflight bench kernels``: the CPU float32 kernels alone, against this
-machine's memory read bandwidth.
+"""``inflight bench kernels``: the CPU kernels alone, against this machine's
+memory read bandwidth.
 
 A step's profile says how long the linear layers or the attention took, not
 how close each came to what the machine allows. This measures, on random data
@@ -8,18 +8,21 @@ of the model's shapes (its ``config.json`` only; no weights are loaded):
 - ``read``: the memory read bandwidth, a ``torch.sum`` over 1 GiB on every
   thread (best of 7), what the memory-bound figures are held against;
 - ``linear``: one pass through the decoder's linear layers (every layer's
-  q/k/v, output, gate/up and down matrices, packed as the engine packs them)
+  q/k/v, output, gate/up and down matrices, packed as the engine packs them:
+  float32, or another weight format of ``ops.quant`` such as bf16 or w8a8)
   with ``m`` rows, as weight bytes per second and FLOP/s;
 - ``decode attention``: ``S`` sequences of ``C`` cached tokens, one query each,
   over every layer's paged cache, as K/V bytes read per second, with each
   sequence's blocks ``random`` (drawn in a random order from the whole cache,
   as a long-running server's free list leaves them) or ``in order`` (one
-  after another, as a fresh engine hands out a prompt's blocks);
+  after another, as a fresh engine hands out a prompt's blocks), the cache
+  float32 or bfloat16;
 - ``prompt attention``: ``S`` prompts of ``P`` tokens attended as one chunk
   each (causal), its blocks random, as FLOP/s (4 x head_dim x heads per
   query-key pair).
 
-Each figure is the best of ``--repeats`` passes.
+Each figure is the best of ``--repeats`` passes. The kernels are the build
+``ops.cpu_isa`` chooses (``INFLIGHT_CPU_ISA`` picks another).
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ import torch
 from inflight.bench.timing import best_seconds
 from inflight.model.config import ModelConfig
 from inflight.model.loader import read_model_config, resolve_model_dir
-from inflight.ops.cpu_ops import CpuOps, load_library
-
+from inflight.ops.cpu_ops import CpuOps, library_isa, load_library
+from inflight.ops.quant import FORMAT_CODES, GGUF_FORMATS, QuantizedWeight, QuantOps
 
 BLOCK_ORDERS = ("random", "in order")
 
@@ -72,10 +75,17 @@ def decoder_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
             (cfg.hidden_size, cfg.intermediate_size)] * cfg.num_hidden_layers
 
 
-def linear(ops: CpuOps, cfg: ModelConfig, rows: list[int], repeats: int) -> list[KernelResult]:
+# Weight formats of the linear pass: float32 panels and those ops.quant packs.
+WEIGHT_FORMATS = ("float32", *(f for f in FORMAT_CODES if f not in GGUF_FORMATS),
+                  *GGUF_FORMATS)
+
+
+def linear(ops: CpuOps | QuantOps, cfg: ModelConfig, rows: list[int], repeats: int,
+           label: str = "") -> list[KernelResult]:
     shapes = decoder_shapes(cfg)
     packed = [(n, ops.pack_weight(torch.randn(n, k))) for n, k in shapes]
-    nbytes = sum(p.numel() * 4 for _, p in packed)
+    nbytes = sum(p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * 4
+                 for _, p in packed)
     flops_per_row = sum(2 * n * k for n, k in shapes)
     widest = max(k for _, k in shapes)
     results = []
@@ -86,14 +96,16 @@ def linear(ops: CpuOps, cfg: ModelConfig, rows: list[int], repeats: int) -> list
         def one_pass() -> None:
             for (n, k), (_, w) in zip(shapes, packed):
                 ops.linear(inputs[k], w, None, n)
-        results.append(KernelResult("linear", f"m={m}", best_seconds(one_pass, repeats),
+        results.append(KernelResult("linear", f"m={m}{label}", best_seconds(one_pass, repeats),
                                     nbytes, m * flops_per_row))
     return results
 
 
-def _caches(cfg: ModelConfig, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, ...]]:
+def _caches(cfg: ModelConfig, num_blocks: int, block_size: int,
+            dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
     shape = (cfg.num_key_value_heads, num_blocks, block_size, cfg.head_dim)
-    return [(torch.randn(shape), torch.randn(shape)) for _ in range(cfg.num_hidden_layers)]
+    return [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+            for _ in range(cfg.num_hidden_layers)]
 
 
 def _attention_pass(ops: CpuOps, cfg: ModelConfig, caches: list[tuple[torch.Tensor, ...]],
@@ -122,29 +134,42 @@ def _block_tables(seqs: int, blocks_per_seq: int, order: str,
 
 
 def decode_attention(ops: CpuOps, cfg: ModelConfig, seqs: int, context: int, block_size: int,
-                     order: str, repeats: int) -> KernelResult:
+                     order: str, repeats: int,
+                     kv_dtype: torch.dtype = torch.float32) -> KernelResult:
     tables, num_blocks = _block_tables(seqs, -(-context // block_size), order, seed=seqs)
-    caches = _caches(cfg, num_blocks, block_size)
+    caches = _caches(cfg, num_blocks, block_size, kv_dtype)
     seq_lens = np.full(seqs, context, dtype=np.int64)
     one_pass = _attention_pass(ops, cfg, caches, tables, np.arange(seqs, dtype=np.int64),
                                seq_lens)
-    kv_bytes = 2 * seqs * context * cfg.num_key_value_heads * cfg.head_dim * 4
+    element = caches[0][0].element_size()
+    kv_bytes = 2 * seqs * context * cfg.num_key_value_heads * cfg.head_dim * element
     flops = 4 * seqs * context * cfg.num_attention_heads * cfg.head_dim
-    return KernelResult("decode attention", f"{seqs}x{context} {order}",
+    return KernelResult("decode attention", f"{seqs}x{context} {order}{_kv_label(kv_dtype)}",
                         best_seconds(one_pass, repeats), kv_bytes * cfg.num_hidden_layers,
                         flops * cfg.num_hidden_layers)
 
 
 def prompt_attention(ops: CpuOps, cfg: ModelConfig, seqs: int, prompt: int, block_size: int,
-                     repeats: int) -> KernelResult:
+                     repeats: int, kv_dtype: torch.dtype = torch.float32) -> KernelResult:
     tables, num_blocks = _block_tables(seqs, -(-prompt // block_size), "random", seed=seqs)
-    caches = _caches(cfg, num_blocks, block_size)
+    caches = _caches(cfg, num_blocks, block_size, kv_dtype)
     seq_lens = np.tile(np.arange(1, prompt + 1, dtype=np.int64), seqs)
     row_tables = np.repeat(np.arange(seqs, dtype=np.int64), prompt)
     one_pass = _attention_pass(ops, cfg, caches, tables, row_tables, seq_lens)
     flops = 4 * int(seq_lens.sum()) * cfg.num_attention_heads * cfg.head_dim
-    return KernelResult("prompt attention", f"{seqs}x{prompt}", best_seconds(one_pass, repeats),
-                        0.0, flops * cfg.num_hidden_layers)
+    return KernelResult("prompt attention", f"{seqs}x{prompt}{_kv_label(kv_dtype)}",
+                        best_seconds(one_pass, repeats), 0.0, flops * cfg.num_hidden_layers)
+
+
+def _kv_label(dtype: torch.dtype) -> str:
+    return "" if dtype == torch.float32 else " bf16"
+
+
+def _choices(text: str, option: str, allowed: tuple[str, ...]) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or not set(items) <= set(allowed):
+        raise ValueError(f"{option} takes a comma list of {', '.join(allowed)}, got {text!r}")
+    return items
 
 
 def _shapes(text: str, option: str) -> list[tuple[int, int]]:
@@ -177,6 +202,9 @@ def command(args: argparse.Namespace) -> int:
     decodes = _shapes(args.decode, "--decode")
     orders = _orders(args.block_order)
     prompts = _shapes(args.prompt, "--prompt")
+    formats = _choices(args.weights, "--weights", WEIGHT_FORMATS)
+    kv_dtypes = [getattr(torch, name) for name in _choices(args.kv_dtype, "--kv-dtype",
+                                                           ("float32", "bfloat16"))]
     if args.block_size < 1 or args.repeats < 1:
         raise ValueError("--block-size and --repeats must be at least 1")
     lib = load_library()
@@ -187,14 +215,16 @@ def command(args: argparse.Namespace) -> int:
     ops = CpuOps(lib)
     cfg = read_model_config(resolve_model_dir(args.model))
     results = [read_bandwidth()]
-    results += linear(ops, cfg, rows, args.repeats)
-    results += [decode_attention(ops, cfg, s, c, args.block_size, order, args.repeats)
-                for s, c in decodes for order in orders]
-    results += [prompt_attention(ops, cfg, s, p, args.block_size, args.repeats)
-                for s, p in prompts]
+    for fmt in formats:
+        results += linear(ops if fmt == "float32" else QuantOps(lib, fmt), cfg, rows,
+                          args.repeats, "" if formats == ["float32"] else f" {fmt}")
+    results += [decode_attention(ops, cfg, s, c, args.block_size, order, args.repeats, kv)
+                for s, c in decodes for order in orders for kv in kv_dtypes]
+    results += [prompt_attention(ops, cfg, s, p, args.block_size, args.repeats, kv)
+                for s, p in prompts for kv in kv_dtypes]
     bandwidth = results[0].gb_per_second
     print(f"{torch.get_num_threads()} threads, block size {args.block_size}, "
-          f"{cfg.num_hidden_layers} layers per pass")
+          f"{cfg.num_hidden_layers} layers per pass, the {library_isa(lib).name} kernels")
     print(f"{'kernel':18} {'shape':>16} {'ms':>9} {'GB/s':>7} {'of read':>8} {'GFLOP/s':>8}")
     for r in results:
         memory = (f"{r.gb_per_second:7.1f} {100 * r.gb_per_second / bandwidth:7.0f}%"
@@ -204,6 +234,7 @@ def command(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "block_size": args.block_size,
+                       "isa": library_isa(lib).name,
                        "results": [asdict(r) | {"gb_per_second": r.gb_per_second,
                                                 "gflops": r.gflops} for r in results]},
                       f, indent=2)

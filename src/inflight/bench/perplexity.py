@@ -1,6 +1,6 @@
 """``inflight bench perplexity``: how well the model predicts a text, per weight
-format: exp of the mean negative log-likelihood of each token given those
-before it (the text scored in prompt chunks, ``ModelRunner.prompt_logprobs``)."""
+format and dtype: exp of the mean negative log-likelihood of each token given
+those before it (the text scored in prompt chunks, ``ModelRunner.prompt_logprobs``)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def perplexity_of(base: EngineConfig, text: str, chunk_size: int) -> dict[str, A
     start = time.perf_counter()
     logprobs = engine.runner.prompt_logprobs(token_ids, chunk_size)
     seconds = time.perf_counter() - start
-    return {"weights": base.quantization or "none", "weight_mib": engine.runner.weight_bytes / 2**20,
+    return {"weights": base.quantization or "none", "dtype": str(engine.runner.dtype)[6:],
+            "weight_mib": engine.runner.weight_bytes / 2**20,
             "tokens": len(token_ids), "perplexity": math.exp(-float(logprobs.mean())),
             "seconds": seconds}
 
@@ -35,17 +36,20 @@ def perplexity_of(base: EngineConfig, text: str, chunk_size: int) -> dict[str, A
 def run(args: argparse.Namespace, base: EngineConfig) -> int:
     text = Path(args.text).read_text()
     formats = [x for x in args.quantization_list.split(",") if x] or ["none"]
+    dtypes = [x for x in args.dtype_list.split(",") if x] or ["auto"]
     rows = []
-    for fmt in formats:
-        print(f"scoring {args.text} with {fmt} weights ...", flush=True)
-        rows.append(perplexity_of(dataclasses.replace(
-            base, quantization=None if fmt == "none" else fmt), text, args.chunk_size))
+    for dtype in dtypes:
+        for fmt in formats:
+            print(f"scoring {args.text} with {fmt} weights, dtype {dtype} ...", flush=True)
+            rows.append(perplexity_of(dataclasses.replace(
+                base, quantization=None if fmt == "none" else fmt, dtype=dtype), text,
+                args.chunk_size))
     reference = rows[0]["perplexity"]
-    print(f"\n{'weights':<10}{'MiB':>9}{'tokens':>8}{'perplexity':>12}{'vs ' + formats[0]:>12}"
-          f"{'seconds':>9}")
+    print(f"\n{'weights':<10}{'dtype':<10}{'MiB':>9}{'tokens':>8}{'perplexity':>12}"
+          f"{'vs first':>12}{'seconds':>9}")
     for row in rows:
         change = 100 * (row["perplexity"] / reference - 1)
-        print(f"{row['weights']:<10}{row['weight_mib']:>9.1f}{row['tokens']:>8}"
+        print(f"{row['weights']:<10}{row['dtype']:<10}{row['weight_mib']:>9.1f}{row['tokens']:>8}"
               f"{row['perplexity']:>12.4f}{change:>+11.3f}%{row['seconds']:>9.1f}")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(

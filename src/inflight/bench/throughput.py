@@ -19,6 +19,7 @@ from inflight.workload.offline import BenchRequest
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.llm_engine import LLMEngine
 from inflight.ops.cpu_ops import CpuOps
+from inflight.ops.quant import QuantOps
 from inflight.spec_decode.speculator import SpecStats
 
 
@@ -288,11 +289,13 @@ def _hf_generate_batch(model: torch.nn.Module, batch: list[BenchRequest], ignore
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 2048,
-                 repeats: int = 5, ops: CpuOps | None = None) -> float:
-    """Best FLOP/s of a ``size``-cubed matrix product on this device: PyTorch's,
-    or with ``ops`` the C kernels' packed one (float32, CPU)."""
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
+                 repeats: int = 5, ops: CpuOps | QuantOps | None = None) -> float:
+    """Best FLOP/s of a ``size``-cubed matrix product on this device: PyTorch's
+    in ``dtype``, or with ``ops`` the C kernels' packed one (CPU: float32
+    activations, the weights in the ops' format)."""
+    on = torch.float32 if ops is not None else dtype
+    a = torch.randn(size, size, dtype=on, device=device)
+    b = torch.randn(size, size, dtype=on, device=device)
     if ops is not None:
         packed = ops.pack_weight(b)
 

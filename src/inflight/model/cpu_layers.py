@@ -2,8 +2,8 @@
 C call per step, on the CPU (``ops/csrc/layer_kernels.c``): the same kernels
 the modules call one at a time, without a dozen Python calls per layer between
 them, which at decode batch sizes cost more than the arithmetic. The weights
-stay where the modules keep them (float32 panels or quantized ones); this only
-points the C code at them."""
+stay where the modules keep them (float32 panels, or panels of another format:
+bf16, quantized); this only points the C code at them."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_dim", _i64), ("intermediate", _i64), ("num_blocks", _i64),
-                ("block_size", _i64), ("eps", _f32), ("scale", _f32), ("cos", _ptr),
+                ("block_size", _i64), ("kv_bf16", _i64), ("eps", _f32), ("scale", _f32),
+                ("cos", _ptr),
                 ("sin", _ptr), ("embedding", _Linear), ("final_norm", _ptr)]
 
 
@@ -59,7 +60,8 @@ def _linear(module: Linear) -> _Linear:
 
 
 def _embedding(module: Embedding) -> _Linear:
-    """The float32 table, or the quantized output matrix it is tied to."""
+    """The float32 table, or panels: its own (bf16) or the output layer's it is
+    tied to."""
     if isinstance(module.packed, QuantizedWeight):
         return _quantized(module.packed, None)
     vocab, hidden = module.weight.shape
@@ -68,18 +70,19 @@ def _embedding(module: Embedding) -> _Linear:
 
 class CpuDecoderLayers:
     """``model.embed_tokens``, ``model.layers`` and ``model.norm`` run by
-    ``inflight_decoder_layers_f32``; the linear layers must be packed (float32
-    or quantized) and the backend the CPU one."""
+    ``inflight_decoder_layers``; the linear layers must be packed (float32 or
+    another format), the backend the CPU one and the model float32 (its norms,
+    biases, rotary tables and activations)."""
 
     def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module) -> None:
-        self._run = lib.inflight_decoder_layers_f32
+        self._run = lib.inflight_decoder_layers
         self._model = model
         config = model.config
         self._config = config
         rotary = model.layers[0].self_attn.rotary
         self._shape = _Model(config.hidden_size, config.num_attention_heads,
                              config.num_key_value_heads, config.head_dim,
-                             config.intermediate_size, 0, 0, config.rms_norm_eps,
+                             config.intermediate_size, 0, 0, 0, config.rms_norm_eps,
                              model.layers[0].self_attn.scale, rotary.cos.data_ptr(),
                              rotary.sin.data_ptr(), _embedding(model.embed_tokens),
                              model.norm.weight.data_ptr())
@@ -98,6 +101,7 @@ class CpuDecoderLayers:
         """Point the layers at the KV caches (allocated after the model)."""
         _, num_blocks, block_size, _ = kv_caches[0][0].shape
         self._shape.num_blocks, self._shape.block_size = num_blocks, block_size
+        self._shape.kv_bf16 = int(kv_caches[0][0].dtype == torch.bfloat16)
         layers = (_Layer * len(self._model.layers))()
         for entry, layer, (k_cache, v_cache) in zip(layers, self._model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp

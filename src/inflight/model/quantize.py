@@ -1,7 +1,9 @@
-"""Quantized weights for a model (``--quantization``).
+"""Quantized weights for a model (``--quantization``), and bf16 ones
+(``--dtype bfloat16`` on the CPU's C kernels).
 
-``int8``, ``q8_0``, ``q4_0``, ``q4_1``: every linear layer's float weight,
-the output layer's included, is quantized at load. ``gguf``: the model comes
+``int8``, ``w8a8``, ``q8_0``, ``q4_0``, ``q4_1``: every linear layer's float weight,
+the output layer's included, is quantized at load; bf16 stores every float
+matrix left, embedding tables included, rounded to bfloat16. ``gguf``: the model comes
 from a GGUF file and keeps that file's own Q8_0, Q4_0 and Q4_1 blocks, never
 expanded to float32 (float32 and float16 matrices stay float32). Either way an
 embedding tied to the output layer looks its rows up in the output layer's
@@ -39,11 +41,17 @@ _KEPT = "__formats__"  # the cache's metadata key: the block formats kept when i
 logger = logging.getLogger(__name__)
 
 
-def quantize_weights(model: nn.Module, ops: QuantOps) -> None:
-    """Quantize every linear layer's float weight to ``ops.format``."""
+def quantize_weights(model: nn.Module, ops: QuantOps, embeddings: bool = False) -> None:
+    """Store every linear layer's float weight in ``ops.format`` (an embedding
+    tied to one reads it there), and with ``embeddings`` every other embedding
+    table too."""
     for module in list(model.modules()):
         if isinstance(module, Linear) and module.packed is None:
             _share(model, module.weight, ops, ops.pack_weight(module.weight.data))
+    if embeddings:
+        for module in list(model.modules()):
+            if isinstance(module, Embedding) and module.packed is None:
+                module.set_quantized(ops, ops.pack_weight(module.weight.data))
 
 
 def read_gguf_weights(gguf_path: Path, model_dir: Path

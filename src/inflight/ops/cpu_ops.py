@@ -1,9 +1,13 @@
-"""C kernels for float32 on the CPU (``csrc/cpu_kernels.c``; the
-weight-quantized linear layers of ``csrc/quant_kernels.c`` that ``ops.quant``
-wraps; the decoder stack in one call of ``csrc/layer_kernels.c`` that
-``model.cpu_layers`` drives), compiled on first use with the machine's C
-compiler for this exact CPU, cached, and called through ctypes. There is no
-build step at install time: without a compiler, or if the build fails,
+"""C kernels on the CPU: linear layers in float32 (``csrc/cpu_kernels.c``) and
+in the weight formats of ``ops.quant`` (``csrc/quant_kernels.c``,
+``csrc/bf16_kernels.c``, ``csrc/int8_kernels.c``), paged attention over a
+float32 or bfloat16 KV cache, the small fused ops, and the decoder stack in one
+call (``csrc/layer_kernels.c``, driven by ``model.cpu_layers``).
+
+They are compiled on first use with the machine's C compiler, once per
+instruction-set target (``ops.cpu_isa``: the best this CPU runs, or
+``INFLIGHT_CPU_ISA``), cached, and called through ctypes. There is no build
+step at install time: without a compiler, or if every build fails,
 ``load_library()`` returns None and the engine uses ``TorchOps``.
 """
 
@@ -11,104 +15,117 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from inflight.cache import cache_root
+from inflight.ops import cpu_isa
+from inflight.ops.c_build import BuildError, build_library, compiler
 from inflight.ops.torch_ops import TorchOps
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "cpu_kernels.c", CSRC / "quant_kernels.c", CSRC / "layer_kernels.c"]
-HEADERS = [CSRC / "kernels.h", CSRC / "linear_kernel.h"]
+CSRC = cpu_isa.PROBE.parent
+SOURCES = [CSRC / name for name in ("cpu_kernels.c", "quant_kernels.c", "bf16_kernels.c",
+                                    "int8_kernels.c", "layer_kernels.c")]
+HEADERS = [CSRC / name for name in ("kernels.h", "linear_kernel.h", "isa.h", "bf16.h")]
 LINEAR_PANEL = 16  # LINEAR_NR in the C source: output columns per packed weight panel
 # gnu11 rather than c11: ISO mode would forbid contracting a*b+c into one FMA.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared",
-         "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=gnu11", "-Wno-psabi"]
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "inflight_paged_attention_f32": (ctypes.c_int, [
+    "inflight_isa": (ctypes.c_char_p, []),
+    "inflight_paged_attention": (ctypes.c_int, [
         _ptr, _i64, _ptr, _i64, _i64,   # q, q_stride, out, out_stride, num_queries
-        _ptr, _ptr, _i64, _i64,         # k_cache, v_cache, num_blocks, block_size
+        _ptr, _ptr, _i64, _i64, _i64,   # k_cache, v_cache, kv_bf16, num_blocks, block_size
         _ptr, _ptr, _i64, _ptr,         # block_tables, row_tables, max_blocks, seq_lens
         _i64, _i64, _i64, _f32, _i64]),  # heads, kv heads, head_dim, scale, window
     "inflight_pack_weight_f32": (None, [_ptr, _ptr, _i64, _i64]),
     "inflight_linear_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
-    "inflight_write_kv_f32": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64,
-                                     _i64]),
+    "inflight_write_kv": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64,
+                                 _i64, _i64]),
     "inflight_rotary_f32": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]),
     "inflight_add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "inflight_silu_and_mul_f32": (None, [_ptr, _ptr, _i64, _i64]),
     "inflight_quant_linear": (ctypes.c_int, [_i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                                              _i64]),
     "inflight_quant_embedding": (None, [_i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64]),
-    "inflight_decoder_layers_f32": (ctypes.c_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
+    "inflight_decoder_layers": (ctypes.c_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
 }
 
 
-def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    fields = {}
-    for line in text.split("\n\n", 1)[0].splitlines():
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return f"{fields.get('model name', '')}|{fields.get('flags', '')}"
+def load_library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernels built for ``isa`` (a name of ``cpu_isa.ISAS``; by default
+    ``INFLIGHT_CPU_ISA``, else the best target this CPU runs), or None if no
+    build can be made here. ValueError for a target this CPU cannot run."""
+    return _load(isa or cpu_isa.requested())
+
+
+def library_isa(lib: ctypes.CDLL) -> cpu_isa.Isa:
+    """The target ``lib`` was built for."""
+    return cpu_isa.BY_NAME[lib.inflight_isa().decode()]
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None if they cannot be built here."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+def _load(requested: str | None) -> ctypes.CDLL | None:
+    if compiler() is None:
         logger.info("no C compiler found: using the PyTorch kernels")
         return None
-    sources = [path.read_bytes() for path in SOURCES + HEADERS]
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), compiler.encode(),
-                                     _cpu_identity().encode()])).hexdigest()[:16]
-    library = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        tmp = library.with_name(f"{library.name}.tmp-{os.getpid()}")
-        result = subprocess.run([compiler, *FLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            logger.warning("building the C kernels failed, using the PyTorch kernels:\n%s",
-                           result.stderr[-2000:])
-            tmp.unlink(missing_ok=True)
-            return None
-        os.replace(tmp, library)
-    lib = ctypes.CDLL(str(library))
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
+    features = cpu_isa.host_features()
+    first = cpu_isa.choose(requested, features)
+    # Asked for one target: that one or nothing. Else the best that builds
+    # (an older compiler may not know the newest targets' flags).
+    candidates = [first] if requested else cpu_isa.runnable(features)
+    for isa in candidates:
+        try:
+            path = build_kernels(isa)
+        except BuildError as e:
+            if requested:
+                raise ValueError(f"{cpu_isa.ENV}={requested}: the kernels do not build "
+                                 f"here{_simde_hint(isa)}:\n{e}") from e
+            logger.warning("building the C kernels for %s failed; trying the next target:\n%s",
+                           isa.name, str(e)[-2000:])
+            continue
+        lib = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        logger.info("CPU kernels: the %s build (%s)", isa.name,
+                    f"{cpu_isa.ENV}={requested}" if requested
+                    else f"the best this CPU runs; {cpu_isa.ENV} chooses another")
+        return lib
+    logger.warning("no build of the C kernels succeeded: using the PyTorch kernels")
+    return None
+
+
+def build_kernels(isa: cpu_isa.Isa) -> Path:
+    """The kernels' shared library for ``isa`` (built unless cached); it may be
+    built on any x86-64 machine but runs only where ``isa.needs`` holds."""
+    flags = [*FLAGS, *isa.flags, *(f"-D{name}=1" for name in isa.defines),
+             f'-DINFLIGHT_ISA_NAME="{isa.name}"']
+    return build_library(f"cpu_kernels-{isa.name}", SOURCES, HEADERS, flags, ["-lm"])
+
+
+def _simde_hint(isa: cpu_isa.Isa) -> str:
+    return (" (it needs SIMDe's headers: apt-get install libsimde-dev)"
+            if "INFLIGHT_SIMDE" in isa.defines and not cpu_isa.simde_available() else "")
 
 
 class CpuOps(TorchOps):
-    """The same operations as TorchOps, each one pass in C (float32, CPU,
-    contiguous inputs)."""
+    """The same operations as TorchOps, each one pass in C (float32 activations,
+    CPU, contiguous inputs; the KV cache float32 or bfloat16)."""
 
     packs_weights = True
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
         self._pack_weight = lib.inflight_pack_weight_f32
         self._linear = lib.inflight_linear_f32
-        self._attention = lib.inflight_paged_attention_f32
-        self._write_kv = lib.inflight_write_kv_f32
+        self._attention = lib.inflight_paged_attention
+        self._write_kv = lib.inflight_write_kv
         self._rotary = lib.inflight_rotary_f32
         self._add_rms_norm = lib.inflight_add_rms_norm_f32
         self._silu_and_mul = lib.inflight_silu_and_mul_f32
@@ -158,13 +175,14 @@ class CpuOps(TorchOps):
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store ``k``/``v`` ``[T, kv_heads, head_dim]`` (rows may be strided) at
-        their slots of the head-major caches."""
+        """Store ``k``/``v`` ``[T, kv_heads, head_dim]`` (float32; rows may be
+        strided) at their slots of the head-major caches (float32, or bfloat16:
+        rounded to nearest even, as ``Tensor.to`` rounds)."""
         num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         assert k.stride()[1:] == (head_dim, 1) and v.stride()[1:] == (head_dim, 1)
         self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                       v_cache.data_ptr(), slots.data_ptr(), k.shape[0], num_kv_heads,
-                       num_blocks * block_size, head_dim)
+                       v_cache.data_ptr(), _kv_bf16(k_cache), slots.data_ptr(), k.shape[0],
+                       num_kv_heads, num_blocks * block_size, head_dim)
 
     def paged_attention(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_table: np.ndarray, row_tables: np.ndarray,
@@ -172,12 +190,13 @@ class CpuOps(TorchOps):
         """Attention of query token ``s`` (row ``s`` of q ``[T, heads, head_dim]``,
         rows may be strided) over the first ``seq_lens[s]`` positions of the
         sequence whose blocks are ``block_table[row_tables[s]]``, into row ``s``
-        of ``out`` ``[T, heads * head_dim]``."""
+        of ``out`` ``[T, heads * head_dim]``; a bfloat16 cache is widened to
+        float32 as it is read."""
         num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim
         status = self._attention(
             q.data_ptr(), q.stride(0), out.data_ptr(), out.shape[1], len(seq_lens),
-            k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
+            k_cache.data_ptr(), v_cache.data_ptr(), _kv_bf16(k_cache), num_blocks, block_size,
             block_table.ctypes.data, row_tables.ctypes.data, block_table.shape[1],
             seq_lens.ctypes.data, out.shape[1] // head_dim, num_kv_heads, head_dim, scale,
             window or 0)
@@ -185,3 +204,10 @@ class CpuOps(TorchOps):
             raise ValueError("the CPU attention kernel takes at most 16 query heads per KV head")
         if status != 0:
             raise MemoryError("the attention kernel could not allocate its scores")
+
+
+def _kv_bf16(cache: torch.Tensor) -> int:
+    if cache.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("the CPU kernels keep the KV cache in float32 or bfloat16, not "
+                         f"{cache.dtype}")
+    return int(cache.dtype == torch.bfloat16)

@@ -1,13 +1,17 @@
-"""Weight-quantized linear layers on the CPU (``csrc/quant_kernels.c``).
+"""Linear layers on the CPU on weights stored in other formats than float32
+(``csrc/quant_kernels.c`` and the sources it dispatches to).
 
-Formats: ``int8`` (weight-only, symmetric, one float32 scale per output
-channel) and the GGUF block formats ``q8_0``, ``q4_0`` and ``q4_1`` (blocks of
+Formats: ``bf16`` (the weights rounded to bfloat16: ``dtype=bfloat16`` on the
+CPU), ``int8`` (weight-only, symmetric, one float32 scale per output
+channel), ``w8a8`` (the same weights, multiplied by int8 activations as
+integers) and the GGUF block formats ``q8_0``, ``q4_0`` and ``q4_1`` (blocks of
 32 weights along the input dimension, each with float16 scales). Weights are
 repacked at load into the kernels' panels of 16 output columns, keeping their
-quantized values and scales bit for bit (the C source describes the layout).
-int8 multiplies float32 activations; the GGUF kernels round each row of
-activations to int16 per block of 32 and sum in integers. A weight comes
-either from a float matrix (``pack_weight``: int8 quantization here, the GGUF
+values and scales bit for bit (the C sources describe the layouts). bf16
+and int8 multiply float32 activations (bf16 rounds them to bf16 where the CPU
+has bf16 dot products); w8a8 rounds each row of activations to int8 per block
+of 32, the GGUF kernels to int16, and both sum in integers. A weight comes
+either from a float matrix (``pack_weight``: bf16, int8 and w8a8 here, the GGUF
 formats through the ``gguf`` package's quantizer) or as raw GGUF blocks read
 from a file (``pack_blocks``).
 """
@@ -22,9 +26,9 @@ import numpy as np
 import torch
 
 PANEL = 16  # LINEAR_NR in the C source
-BLOCK = 32  # weights per GGUF block
+BLOCK = 32  # weights per GGUF block; activations per int8 scale in w8a8
 # Format name -> the C kernels' format code.
-FORMAT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}
+FORMAT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "bf16": 4, "w8a8": 5}
 GGUF_FORMATS = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
                 "q4_1": gguf.GGMLQuantizationType.Q4_1}
 
@@ -35,7 +39,7 @@ class QuantizedWeight:
 
     format: str
     data: torch.Tensor  # uint8 panels
-    scale: torch.Tensor | None  # int8: float32 per output column, padded to whole panels
+    scale: torch.Tensor | None  # int8, w8a8: float32 per output column, padded to whole panels
     out_features: int
     in_features: int
 
@@ -45,19 +49,50 @@ class QuantizedWeight:
         return self.data.numel() + scale
 
 
-def pack_int8(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric int8 per output channel: ``w = scale[n] * q``, ``q`` in -127..127."""
-    n, k = weight.shape
+def _panels(values: torch.Tensor, group: int) -> torch.Tensor:
+    """``[N, K]`` values as panels of 16 columns, each column's ``group``
+    consecutive k side by side (N padded to whole panels, K to whole groups,
+    with zeros): ``[panels][K / group][16][group]``, as bytes."""
+    n, k = values.shape
+    padded = values.new_zeros(-(-n // PANEL) * PANEL, -(-k // group) * group)
+    padded[:n, :k] = values
+    panels = padded.view(-1, PANEL, padded.shape[1] // group, group).transpose(1, 2)
+    return panels.contiguous().view(-1).view(torch.uint8)
+
+
+def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` (int8, -127..127) and ``scale`` per row (padded to whole panels):
+    ``w = scale[n] * q``."""
+    n = weight.shape[0]
     weight = weight.detach().to(torch.float32)
     scale = weight.abs().amax(dim=1) / 127.0
     q = torch.round(weight / torch.where(scale > 0, scale, 1.0)[:, None]).to(torch.int8)
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=torch.int8)
-    padded[:n] = q
-    data = padded.view(panels, PANEL, k).transpose(1, 2).contiguous().view(torch.uint8).view(-1)
-    padded_scale = torch.zeros(panels * PANEL, dtype=torch.float32)
+    padded_scale = torch.zeros(-(-n // PANEL) * PANEL, dtype=torch.float32)
     padded_scale[:n] = scale
-    return QuantizedWeight("int8", data, padded_scale, n, k)
+    return q, padded_scale
+
+
+def pack_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8 per output channel: ``w = scale[n] * q``, ``q`` in -127..127;
+    panels ``[K][16]``."""
+    q, scale = _int8_per_channel(weight)
+    return QuantizedWeight("int8", _panels(q, 1), scale, *weight.shape)
+
+
+def pack_w8a8(weight: torch.Tensor) -> QuantizedWeight:
+    """int8 per output channel as ``pack_int8``, in vpdpbusd's panels ``[K / 4][16][4]``,
+    K padded to whole blocks of 32 (``csrc/int8_kernels.c``)."""
+    q, scale = _int8_per_channel(weight)
+    n, k = weight.shape
+    padded = q.new_zeros(n, -(-k // BLOCK) * BLOCK)
+    padded[:, :k] = q
+    return QuantizedWeight("w8a8", _panels(padded, 4), scale, n, k)
+
+
+def pack_bf16(weight: torch.Tensor) -> QuantizedWeight:
+    """The weight rounded to bfloat16 (to nearest even), in panels ``[K / 2][16][2]``."""
+    bits = weight.detach().to(torch.bfloat16).view(torch.int16)
+    return QuantizedWeight("bf16", _panels(bits, 2), None, *weight.shape)
 
 
 def quantize_blocks(weight: torch.Tensor, fmt: str) -> np.ndarray:
@@ -115,8 +150,8 @@ class QuantOps:
     packs_weights = True
 
     def __init__(self, lib: ctypes.CDLL, fmt: str | None = None) -> None:
-        """``fmt``: what ``pack_weight`` quantizes to (None: weights come packed,
-        as GGUF blocks); ``linear`` runs any format."""
+        """``fmt``: what ``pack_weight`` stores weights in (None: weights come
+        packed, as GGUF blocks); ``linear`` runs any format."""
         if fmt is not None and fmt not in FORMAT_CODES:
             raise ValueError(f"unknown quantization format {fmt!r}; supported: "
                              f"{', '.join(FORMAT_CODES)}")
@@ -125,11 +160,11 @@ class QuantOps:
         self._embedding = lib.inflight_quant_embedding
 
     def pack_weight(self, weight: torch.Tensor) -> QuantizedWeight:
-        """Quantize a float ``[N, K]`` weight to this format."""
+        """Store a float ``[N, K]`` weight in this format."""
         if self.format is None:
             raise ValueError("these QuantOps have no format to quantize to")
-        if self.format == "int8":
-            return pack_int8(weight)
+        if self.format in _PACKERS:
+            return _PACKERS[self.format](weight)
         n, k = weight.shape
         return pack_blocks(self.format, quantize_blocks(weight, self.format), n, k)
 
@@ -143,7 +178,7 @@ class QuantOps:
                               None if bias is None else bias.data_ptr(), out.data_ptr(), m,
                               out_features, k)
         if status != 0:
-            raise MemoryError("the quantized linear kernel could not allocate its scratch panel")
+            raise MemoryError("the quantized linear kernel could not allocate its scratch memory")
         return out
 
     def embedding(self, ids: torch.Tensor, packed: QuantizedWeight) -> torch.Tensor:
@@ -158,3 +193,6 @@ class QuantOps:
 
 def _code_of(packed: QuantizedWeight) -> int:
     return FORMAT_CODES[packed.format]
+
+
+_PACKERS = {"int8": pack_int8, "w8a8": pack_w8a8, "bf16": pack_bf16}

@@ -16,6 +16,8 @@ from inflight.ops.torch_ops import TorchOps
 
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What the C kernels store weights and the KV cache in (activations: float32).
+CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def triton_interpreter() -> bool:
@@ -25,7 +27,7 @@ def triton_interpreter() -> bool:
 def select_kernels(name: str, device: torch.device, dtype: torch.dtype, model: ModelConfig, *,
                    batch_invariant: bool = False) -> tuple[TorchOps, AttentionBackend]:
     """``torch``: the PyTorch reference (any device, any dtype); ``cpu``: C kernels
-    (CPU, float32, needs a C compiler); ``triton``: Triton kernels (CUDA, or the
+    (CPU, float32 or bfloat16, needs a C compiler); ``triton``: Triton kernels (CUDA, or the
     CPU in Triton's interpreter; float32, float16, bfloat16); ``auto``: ``triton``
     on CUDA, ``cpu`` on the CPU, where they apply, else ``torch``."""
     if name == "triton" or (name == "auto" and device.type == "cuda" and dtype in TRITON_DTYPES):
@@ -34,13 +36,14 @@ def select_kernels(name: str, device: torch.device, dtype: torch.dtype, model: M
         if device.type != "cuda" and not triton_interpreter():
             raise ValueError("kernel_backend 'triton' needs CUDA, or TRITON_INTERPRET=1 on the CPU")
         return _triton_kernels(device, model, batch_invariant)
-    if name != "torch" and device.type == "cpu" and dtype == torch.float32:
+    if name != "torch" and device.type == "cpu" and dtype in CPU_DTYPES:
         lib = load_library()
         if lib is not None:
             ops = CpuOps(lib)
             return ops, CpuPagedBackend(ops)
     if name == "cpu":
-        raise ValueError("kernel_backend 'cpu' needs the CPU, float32 and a C compiler")
+        raise ValueError("kernel_backend 'cpu' needs the CPU, float32 or bfloat16 and a C "
+                         "compiler")
     return TorchOps(), TorchPagedBackend()
 
 

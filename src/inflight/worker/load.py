@@ -1,8 +1,8 @@
 """Builds the real model runner from an EngineConfig: the device and threads,
 the dtype, the kernels, the model and its weights (packed for the C matrix
-product, or quantized; on the CPU its layers run as one C call), the KV cache's
-size (on CUDA, from the memory left after profiling the largest step), from
-which the context limit follows, and the CUDA graphs."""
+product: float32, bf16 or quantized; on the CPU its layers run as one C call),
+the KV cache's size (on CUDA, from the memory left after profiling the largest
+step), from which the context limit follows, and the CUDA graphs."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from inflight.model.quantize import (load_gguf_blocks, quantize_weights, read_gg
 from inflight.model.registry import get_model_class
 from inflight.model.stub import StubModel
 from inflight.model.weight_pages import move_packed_weights_to_huge_pages
-from inflight.ops.cpu_ops import CpuOps, load_library
+from inflight.ops.cpu_ops import CpuOps, library_isa, load_library
 from inflight.ops.quant import QuantOps
 from inflight.ops.torch_ops import TorchOps
 from inflight.worker.cpu_setup import configure_cpu
@@ -46,12 +46,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA (where its matrix products are fast), float32
-    elsewhere (the CPU machine this project targets has no bf16 arithmetic)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+def resolve_dtype(name: str, device: torch.device,
+                  kernel_backend: str = "auto") -> torch.dtype:
+    """``auto``: bfloat16 on CUDA (where its matrix products are fast); on the
+    CPU, bfloat16 where the C kernels run on a CPU with bf16 dot products
+    (the ``avx512bf16`` build, ``ops.cpu_isa``), as vLLM's CPU backend picks it,
+    float32 elsewhere (there bf16 weights halve the bytes a decode step reads,
+    but the arithmetic stays float32's and the rounding costs quality: asked for
+    by name, not by default)."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and kernel_backend in ("auto", "cpu"):
+        lib = load_library()
+        if lib is not None and library_isa(lib).native_bf16:
+            return torch.bfloat16
+    return torch.float32
 
 
 def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -87,7 +98,7 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
         configure_cpu(config.num_threads)
     elif config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, config.kernel_backend)
     block_bytes = kv_block_bytes(model_config, config.block_size, dtype)
     # On CUDA without a size given, the KV cache gets what is left after the
     # model and a profiled step; otherwise its size is known before loading.
@@ -103,13 +114,16 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
     on_huge_pages = 0  # bytes of packed weights on huge pages
     ops, backend = select_kernels(config.kernel_backend, device, dtype, model_config,
                                   batch_invariant=config.batch_invariant)
+    # The C kernels compute in float32 (activations, norms, rotary tables) and
+    # store the matrices and the KV cache in dtype.
+    model_dtype = torch.float32 if isinstance(ops, CpuOps) else dtype
     if stub_token_id is not None:
-        model = StubModel(model_config, dtype, stub_token_id)
+        model = StubModel(model_config, model_dtype, stub_token_id)
         num_parameters = sum(p.numel() for p in model.parameters())
     else:
         with torch.device(device):
             model = get_model_class(model_config.architecture)(
-                model_config, backend, ops, max_positions, dtype)
+                model_config, backend, ops, max_positions, model_dtype)
         num_parameters = sum(p.numel() for p in model.parameters())  # before packing
         _load_weights(model, config, model_dir, dtype, ops)
         if ops.packs_weights:
@@ -117,7 +131,7 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
         if device.type == "cpu":
             on_huge_pages = move_packed_weights_to_huge_pages(model)
         if isinstance(ops, CpuOps) and isinstance(backend, CpuPagedBackend):
-            model.fused_layers = CpuDecoderLayers(load_library(), model)
+            model.fused_layers = CpuDecoderLayers(ops.lib, model)
     resident = weight_bytes(model)
     logger.info("weights: %.1f MiB (%s)%s", resident / 2**20,
                 config.quantization or str(dtype).removeprefix("torch."),
@@ -152,30 +166,35 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
 
 def _load_weights(model: torch.nn.Module, config: EngineConfig, model_dir: Path,
                   dtype: torch.dtype, ops: TorchOps) -> None:
-    """The checkpoint's weights (random ones for load_format dummy) into
-    ``model``, quantized as configured."""
+    """The checkpoint's weights into ``model`` (seeded random ones for
+    load_format dummy). On the C kernels they load as float32 and the matrices
+    are then stored as quantized (``quantization``), and what is left in bf16
+    when ``dtype`` is bfloat16 (embedding tables too); float32 matrices are
+    packed afterwards."""
     method = config.quantization
     dummy = config.load_format == "dummy"
-    if method is None:
+    if not isinstance(ops, CpuOps):
+        if method is not None:
+            raise ValueError(f"quantization {method!r} runs on the CPU's C kernels: it needs "
+                             "device cpu, dtype float32 or bfloat16 and a C compiler")
         if dummy:
             fill_dummy_weights(model, config.seed)
         else:
             model.load_weights(iter_safetensors(model_dir, dtype))
         return
-    if not isinstance(ops, CpuOps) or dtype != torch.float32:
-        raise ValueError(f"quantization {method!r} runs on the CPU's C kernels: it needs "
-                         "device cpu, dtype float32 and a C compiler")
-    quant_ops = QuantOps(load_library(), None if method == "gguf" else method)
-    if method != "gguf":
+    if method == "gguf":
+        floats, blocks = read_gguf_weights(gguf_file(config.model), model_dir)
+        quantized = load_gguf_blocks(model, QuantOps(ops.lib), blocks, floats)
+        model.load_weights(floats.items(), set_elsewhere=quantized)
+    else:
         if dummy:
             fill_dummy_weights(model, config.seed)
         else:
-            model.load_weights(iter_safetensors(model_dir, dtype))
-        quantize_weights(model, quant_ops)
-        return
-    floats, blocks = read_gguf_weights(gguf_file(config.model), model_dir)
-    quantized = load_gguf_blocks(model, quant_ops, blocks, floats)
-    model.load_weights(floats.items(), set_elsewhere=quantized)
+            model.load_weights(iter_safetensors(model_dir, torch.float32))
+        if method is not None:
+            quantize_weights(model, QuantOps(ops.lib, method))
+    if dtype == torch.bfloat16:
+        quantize_weights(model, QuantOps(ops.lib, "bf16"), embeddings=True)
 
 
 def _num_blocks(config: EngineConfig, kv_bytes: int, block_bytes: int) -> int:

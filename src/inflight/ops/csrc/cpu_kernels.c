@@ -1,6 +1,6 @@
-/* CPU kernels for float32: linear layers, paged decode attention, and the small
- * fused ops of a decoder layer (rotary embedding, residual add + RMSNorm,
- * SiLU-and-multiply).
+/* CPU kernels for float32 activations: linear layers, paged attention over a
+ * float32 or bfloat16 KV cache, and the small fused ops of a decoder layer
+ * (rotary embedding, residual add + RMSNorm, SiLU-and-multiply).
  *
  * PyTorch would run each of these as several separate operators whose fixed
  * cost dominates at decode batch sizes; here each is one pass over the data.
@@ -13,8 +13,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 #include "linear_kernel.h"
+
+/* The target this build is for (ops/cpu_isa.py). */
+const char *inflight_isa(void)
+{
+    return INFLIGHT_ISA_NAME;
+}
 
 /* exp(x) for x <= 0 (softmax numerators), relative error below 2e-7. Plain
  * arithmetic, so loops over it vectorise (libm's expf is a scalar call). */
@@ -34,8 +41,6 @@ static inline float exp_nonpositive(float x)
     return p * two_n.f;
 }
 
-typedef int32_t v8i __attribute__((vector_size(32)));
-
 /* Lane j: hsum8(a[j]), added in the same order, for 8 vectors at once (the
  * halves of each added first, then pairs, as hsum8 does). */
 static inline __attribute__((always_inline)) v8f hsum8_each(const v8f a[8])
@@ -51,22 +56,40 @@ static inline __attribute__((always_inline)) v8f hsum8_each(const v8f a[8])
     return __builtin_shuffle(p01, p23, even) + __builtin_shuffle(p01, p23, odd);
 }
 
-/* scores[i * stride] = scale * q . k_i for `count` keys `head_dim` floats apart.
- * Eight keys at a time keep eight independent multiply-add chains in flight;
- * each key's dot product is computed the same way wherever it falls. */
+/* The cache's elements: float32, or bf16 when kv16 (a constant wherever these
+ * are inlined, so each kernel is compiled once per element type). */
+static inline __attribute__((always_inline)) const void *kv_at(const void *base, int64_t i,
+                                                               int kv16)
+{
+    return (const char *)base + i * (kv16 ? 2 : 4);
+}
+
+static inline __attribute__((always_inline)) v8f kv_load8(const void *base, int64_t i, int kv16)
+{
+    return kv16 ? bf16x8_to_float((const uint16_t *)base + i)
+                : *(const v8f *)((const float *)base + i);
+}
+
+static inline __attribute__((always_inline)) float kv_load1(const void *base, int64_t i, int kv16)
+{
+    return kv16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* scores[i * stride] = scale * q . k_i for `count` keys `head_dim` elements
+ * apart. Eight keys at a time keep eight independent multiply-add chains in
+ * flight; each key's dot product is computed the same way wherever it falls. */
 static inline __attribute__((always_inline)) void dot_keys(
-    const float *q, const float *k, int64_t count, int64_t head_dim, float scale,
+    const float *q, const void *k, int kv16, int64_t count, int64_t head_dim, float scale,
     float *scores, int64_t stride)
 {
     int64_t i = 0;
     if (head_dim % 8 == 0) {
         for (; i + 8 <= count; i += 8) {
-            const float *k0 = k + i * head_dim;
             v8f a[8] = {{0}};
             for (int64_t d = 0; d < head_dim; d += 8) {
                 const v8f qv = *(const v8f *)(q + d);
                 for (int j = 0; j < 8; j++)
-                    a[j] += qv * *(const v8f *)(k0 + j * head_dim + d);
+                    a[j] += qv * kv_load8(k, (i + j) * head_dim + d, kv16);
             }
             const v8f sums = hsum8_each(a) * scale;
             for (int j = 0; j < 8; j++)
@@ -75,26 +98,25 @@ static inline __attribute__((always_inline)) void dot_keys(
         /* The rest one key at a time, with the same arithmetic per key: a
          * key's score never depends on how many keys were asked for. */
         for (; i < count; i++) {
-            const float *ki = k + i * head_dim;
             v8f a = {0};
             for (int64_t d = 0; d < head_dim; d += 8)
-                a += *(const v8f *)(q + d) * *(const v8f *)(ki + d);
+                a += *(const v8f *)(q + d) * kv_load8(k, i * head_dim + d, kv16);
             scores[i * stride] = hsum8(a) * scale;
         }
     }
     for (; i < count; i++) {
-        const float *ki = k + i * head_dim;
         float dot = 0.0f;
 #pragma omp simd reduction(+:dot)
         for (int64_t d = 0; d < head_dim; d++)
-            dot += q[d] * ki[d];
+            dot += q[d] * kv_load1(k, i * head_dim + d, kv16);
         scores[i * stride] = dot * scale;
     }
 }
 
 /* out += sum_i p[i * stride] * v_i over `count` value rows. */
 static inline __attribute__((always_inline)) void accumulate_values(
-    const float *p, int64_t stride, const float *v, int64_t count, int64_t head_dim, float *out)
+    const float *p, int64_t stride, const void *v, int kv16, int64_t count, int64_t head_dim,
+    float *out)
 {
     if (head_dim % 8 == 0 && head_dim <= 256) {
         v8f acc[32];
@@ -103,9 +125,8 @@ static inline __attribute__((always_inline)) void accumulate_values(
             acc[c] = *(const v8f *)(out + 8 * c);
         for (int64_t i = 0; i < count; i++) {
             const float w = p[i * stride];
-            const float *vi = v + i * head_dim;
             for (int64_t c = 0; c < chunks; c++)
-                acc[c] += w * *(const v8f *)(vi + 8 * c);
+                acc[c] += w * kv_load8(v, i * head_dim + 8 * c, kv16);
         }
         for (int64_t c = 0; c < chunks; c++)
             *(v8f *)(out + 8 * c) = acc[c];
@@ -113,10 +134,9 @@ static inline __attribute__((always_inline)) void accumulate_values(
     }
     for (int64_t i = 0; i < count; i++) {
         const float w = p[i * stride];
-        const float *vi = v + i * head_dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; d++)
-            out[d] += w * vi[d];
+            out[d] += w * kv_load1(v, i * head_dim + d, kv16);
     }
 }
 
@@ -127,11 +147,11 @@ static inline __attribute__((always_inline)) void accumulate_values(
  * misses in flight to what the core can track: asked for at once (a 4 KiB
  * block is 64 lines), it stalled on a full miss queue and read about a fifth
  * slower. */
-static inline void prefetch_part(const float *block, int64_t floats, int64_t part, int64_t parts)
+static inline void prefetch_part(const void *block, int64_t bytes, int64_t part, int64_t parts)
 {
-    const int64_t lines = floats / 16, lo = lines * part / parts, hi = lines * (part + 1) / parts;
+    const int64_t lines = bytes / 64, lo = lines * part / parts, hi = lines * (part + 1) / parts;
     for (int64_t i = lo; i < hi; i++)
-        __builtin_prefetch(block + 16 * i);
+        __builtin_prefetch((const char *)block + 64 * i);
 }
 
 /* Queries attended together: consecutive tokens of one sequence share each
@@ -154,35 +174,39 @@ static inline int keys_in_block(int64_t first, int64_t len, int64_t base, int64_
  * order as they would be alone (a tile of one), so results do not depend on
  * the tiling. `scores` holds count * group * span floats, span = lens[count-1]
  * - first[0]: one row per (query, head). Inlined with a constant head_dim for
- * the common sizes, so the vector loops fully unroll. */
+ * the common sizes, so the vector loops fully unroll, and a constant kv16 (the
+ * cache's elements bf16, widened to float32 as they are read). */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *const *qh, float *const *oh, const int64_t *first, const int64_t *lens,
-    int count, const float *kh, const float *vh, const int64_t *table, int64_t block_size,
-    int64_t block_stride, int64_t group, int64_t head_dim, float scale, float *scores)
+    int count, const void *kh, const void *vh, int kv16, const int64_t *table,
+    int64_t block_size, int64_t block_stride, int64_t group, int64_t head_dim, float scale,
+    float *scores)
 {
     const int64_t lo_all = first[0], hi_all = lens[count - 1], span = hi_all - lo_all;
     const int64_t first_block = lo_all / block_size, last_block = (hi_all - 1) / block_size;
+    const int64_t block_bytes = block_stride * (kv16 ? 2 : 4);
 
     /* The tile reads its K blocks, then its V blocks: while on one, it asks
      * for the next (the last query sees every block of the tile). */
     const int64_t blocks = last_block - first_block + 1;
-#define NEXT_BLOCK(j) ((j) < blocks ? kh + table[first_block + (j)] * block_stride : \
-                       vh + table[first_block + (j) - blocks] * block_stride)
-    prefetch_part(NEXT_BLOCK(0), block_stride, 0, 1);
+#define NEXT_BLOCK(j) ((j) < blocks ? kv_at(kh, table[first_block + (j)] * block_stride, kv16) \
+                       : kv_at(vh, table[first_block + (j) - blocks] * block_stride, kv16))
+    prefetch_part(NEXT_BLOCK(0), block_bytes, 0, 1);
 
     /* scores of each (query, head) for the keys it sees, in its own row */
     for (int64_t b = first_block; b <= last_block; b++) {
         const int64_t base = b * block_size;
-        const float *kb = kh + table[b] * block_stride;
+        const void *kb = kv_at(kh, table[b] * block_stride, kv16);
         for (int i = 0; i < count; i++) {
             int64_t lo, hi;
             if (!keys_in_block(first[i], lens[i], base, block_size, &lo, &hi))
                 continue;
             for (int64_t g = 0; g < group; g++) {
                 if (i == count - 1)
-                    prefetch_part(NEXT_BLOCK(b - first_block + 1), block_stride, g, group);
-                dot_keys(qh[i] + g * head_dim, kb + (lo - base) * head_dim, hi - lo, head_dim,
-                         scale, scores + (i * group + g) * span + (lo - lo_all), 1);
+                    prefetch_part(NEXT_BLOCK(b - first_block + 1), block_bytes, g, group);
+                dot_keys(qh[i] + g * head_dim, kv_at(kb, (lo - base) * head_dim, kv16), kv16,
+                         hi - lo, head_dim, scale,
+                         scores + (i * group + g) * span + (lo - lo_all), 1);
             }
         }
     }
@@ -218,18 +242,18 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
     for (int64_t b = first_block; b <= last_block; b++) {
         const int64_t base = b * block_size;
-        const float *vb = vh + table[b] * block_stride;
+        const void *vb = kv_at(vh, table[b] * block_stride, kv16);
         for (int i = 0; i < count; i++) {
             int64_t lo, hi;
             if (!keys_in_block(first[i], lens[i], base, block_size, &lo, &hi))
                 continue;
             for (int64_t g = 0; g < group; g++) {
                 if (i == count - 1 && b < last_block)
-                    prefetch_part(NEXT_BLOCK(blocks + b - first_block + 1), block_stride, g,
+                    prefetch_part(NEXT_BLOCK(blocks + b - first_block + 1), block_bytes, g,
                                   group);
                 accumulate_values(scores + (i * group + g) * span + (lo - lo_all), 1,
-                                  vb + (lo - base) * head_dim, hi - lo, head_dim,
-                                  oh[i] + g * head_dim);
+                                  kv_at(vb, (lo - base) * head_dim, kv16), kv16, hi - lo,
+                                  head_dim, oh[i] + g * head_dim);
             }
         }
     }
@@ -246,7 +270,9 @@ static inline __attribute__((always_inline)) void attend_tile(
  * head_dim] (rows q_stride and out_stride floats apart); it attends to the
  * first seq_lens[s] positions of its sequence (the last `window` of them when
  * window > 0), whose K/V live in blocks block_tables[row_tables[s], :] of
- * k_cache/v_cache [num_kv_heads, num_blocks, block_size, head_dim]. Query head
+ * k_cache/v_cache [num_kv_heads, num_blocks, block_size, head_dim] (float32,
+ * or bf16 when kv_bf16: each element widened exactly, so the outputs are
+ * those of a float32 cache holding the same values). Query head
  * j reads KV head j / (num_heads / num_kv_heads). K and V are read in place,
  * block by block: nothing is gathered or padded. A prompt's tokens are queries
  * with increasing seq_lens (causal attention); up to ATTENTION_TILE
@@ -254,9 +280,10 @@ static inline __attribute__((always_inline)) void attend_tile(
  * exactly as its decode would be. Returns -1 if scratch memory ran out, -2 for
  * more than 16 query heads per KV head.
  */
-int inflight_paged_attention_f32(
+int inflight_paged_attention(
     const float *q, int64_t q_stride, float *out, int64_t out_stride, int64_t num_queries,
-    const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
+    const void *k_cache, const void *v_cache, int64_t kv_bf16, int64_t num_blocks,
+    int64_t block_size,
     const int64_t *block_tables, const int64_t *row_tables, int64_t max_blocks,
     const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     float scale, int64_t window)
@@ -312,17 +339,27 @@ int inflight_paged_attention_f32(
                     capacity = need;
                 }
                 const int64_t *table = block_tables + row_tables[s0] * max_blocks;
-                const float *kh = k_cache + h * head_stride;
-                const float *vh = v_cache + h * head_stride;
-                if (head_dim == 64)
-                    attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
-                                block_stride, group, 64, scale, scores);
-                else if (head_dim == 128)
-                    attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
-                                block_stride, group, 128, scale, scores);
-                else
-                    attend_tile(qh, oh, first, lens, count, kh, vh, table, block_size,
-                                block_stride, group, head_dim, scale, scores);
+                const int kv16 = kv_bf16 != 0;
+                const void *kh = kv_at(k_cache, h * head_stride, kv16);
+                const void *vh = kv_at(v_cache, h * head_stride, kv16);
+#define ATTEND(kv16_, head_dim_) attend_tile(qh, oh, first, lens, count, kh, vh, kv16_, table, \
+                                             block_size, block_stride, group, head_dim_, scale, \
+                                             scores)
+                if (kv16) {
+                    if (head_dim == 64)
+                        ATTEND(1, 64);
+                    else if (head_dim == 128)
+                        ATTEND(1, 128);
+                    else
+                        ATTEND(1, head_dim);
+                } else if (head_dim == 64) {
+                    ATTEND(0, 64);
+                } else if (head_dim == 128) {
+                    ATTEND(0, 128);
+                } else {
+                    ATTEND(0, head_dim);
+                }
+#undef ATTEND
             }
         }
         free(scores);
@@ -358,7 +395,7 @@ void inflight_linear_f32(const float *x, const float *packed, const float *bias,
 #pragma omp parallel for schedule(static) if (m * n * k > PARALLEL_MIN_WORK)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t col = p * LINEAR_NR;
-        linear_panel(x, m, k, packed + p * k * LINEAR_NR, NULL, bias, y, n, col,
+        linear_panel(x, m, k, packed + p * k * LINEAR_NR, WEIGHTS_F32, NULL, bias, y, n, col,
                      n - col < LINEAR_NR ? n - col : LINEAR_NR,
                      p + 1 < panels ? packed + (p + 1) * k * LINEAR_NR : NULL);
     }
@@ -366,19 +403,27 @@ void inflight_linear_f32(const float *x, const float *packed, const float *bias,
 
 /* Store each token's K and V rows (rows k_stride / v_stride floats apart, each
  * [num_kv_heads, head_dim]) at its slot in the head-major caches [num_kv_heads,
- * num_slots, head_dim]. */
-void inflight_write_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                           float *k_cache, float *v_cache, const int64_t *slots,
-                           int64_t num_tokens, int64_t num_kv_heads, int64_t num_slots,
-                           int64_t head_dim)
+ * num_slots, head_dim]: float32, or bf16 (rounded to nearest even) when
+ * kv_bf16. */
+void inflight_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                       void *k_cache, void *v_cache, int64_t kv_bf16, const int64_t *slots,
+                       int64_t num_tokens, int64_t num_kv_heads, int64_t num_slots,
+                       int64_t head_dim)
 {
     const size_t row = (size_t)head_dim * sizeof(float);
 #pragma omp parallel for if (num_tokens * num_kv_heads * head_dim > PARALLEL_MIN_WORK)
     for (int64_t t = 0; t < num_tokens; t++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const int64_t dst = (h * num_slots + slots[t]) * head_dim;
-            memcpy(k_cache + dst, k + t * k_stride + h * head_dim, row);
-            memcpy(v_cache + dst, v + t * v_stride + h * head_dim, row);
+            const float *kt = k + t * k_stride + h * head_dim;
+            const float *vt = v + t * v_stride + h * head_dim;
+            if (kv_bf16) {
+                floats_to_bf16(kt, (uint16_t *)k_cache + dst, head_dim);
+                floats_to_bf16(vt, (uint16_t *)v_cache + dst, head_dim);
+            } else {
+                memcpy((float *)k_cache + dst, kt, row);
+                memcpy((float *)v_cache + dst, vt, row);
+            }
         }
     }
 }

@@ -3,7 +3,8 @@
  * cache write, paged attention, the output projection, residual add + RMSNorm,
  * the fused gate/up projection, SiLU-and-multiply and the down projection;
  * then the final residual add + RMSNorm. Each step goes through the kernels
- * of the other C sources (float32 or quantized linear layers).
+ * of the other C sources (linear layers on float32, bf16 or quantized panels;
+ * a float32 or bf16 KV cache).
  *
  * It computes what the model's modules compute through those same kernels one
  * call at a time; run from Python, the calls cost more than the arithmetic
@@ -18,9 +19,9 @@
 
 /* A linear layer's weight as packed at load. */
 typedef struct {
-    int64_t format;      /* -1: float32 panels; else the quantized format's code */
+    int64_t format;      /* -1: float32 panels; else the format's code (quant_kernels.c) */
     const void *data;    /* the panels */
-    const float *scale;  /* int8 column scales, or NULL */
+    const float *scale;  /* int8 and W8A8 column scales, or NULL */
     const float *bias;   /* or NULL */
     int64_t out_features, in_features;
 } inflight_linear;
@@ -28,23 +29,25 @@ typedef struct {
 typedef struct {
     inflight_linear qkv, o, gate_up, down;
     const float *input_norm, *post_norm;  /* RMSNorm weights */
-    float *k_cache, *v_cache;             /* [kv_heads, num_blocks, block_size, head_dim] */
+    void *k_cache, *v_cache;              /* [kv_heads, num_blocks, block_size, head_dim] */
     int64_t window;                       /* sliding window, 0: none */
 } inflight_layer;
 
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t num_blocks, block_size;
+    int64_t kv_bf16;  /* the KV caches' elements: 0 float32, 1 bf16 */
     float eps, scale;
     const float *cos, *sin;  /* rotary tables [max_positions, head_dim / 2] */
-    /* The token embedding: a float32 table [vocab, hidden] (format -1), or the
-     * quantized output layer it is tied to (in_features = hidden). */
+    /* The token embedding: a float32 table [vocab, hidden] (format -1), or
+     * panels of another format (in_features = hidden): its own, or those of
+     * the output layer it is tied to. */
     inflight_linear embedding;
     const float *final_norm;  /* RMSNorm weight after the last layer */
 } inflight_model;
 
 /* One step's tokens: their ids, positions and cache slots, the attention
- * layout (as for inflight_paged_attention_f32), scratch rows for each stage,
+ * layout (as for inflight_paged_attention), scratch rows for each stage,
  * and where to add the seconds spent in linear layers, in attention (with the
  * KV writes) and in the rest (NULL: not timed). */
 typedef struct {
@@ -85,9 +88,9 @@ static int run_linear(const inflight_linear *w, const float *x, float *y, int64_
 /* out [T, hidden]: the final hidden states (normed). x and residual [T,
  * hidden] are scratch: each layer's output and the residual stream. Returns 0,
  * or the first failing kernel's status. */
-int inflight_decoder_layers_f32(const inflight_model *m, const inflight_layer *layers,
-                                int64_t num_layers, const inflight_step *s, float *x,
-                                float *residual, float *out)
+int inflight_decoder_layers(const inflight_model *m, const inflight_layer *layers,
+                            int64_t num_layers, const inflight_step *s, float *x,
+                            float *residual, float *out)
 {
     const int64_t t = s->num_tokens, d = m->head_dim;
     const int64_t q_size = m->num_heads * d, kv_size = m->num_kv_heads * d;
@@ -114,11 +117,11 @@ int inflight_decoder_layers_f32(const inflight_model *m, const inflight_layer *l
         inflight_rotary_f32(s->qkv, t, width, m->num_heads + m->num_kv_heads, d, s->positions,
                             m->cos, m->sin);
         lap(seconds, TIME_OTHER, &mark);
-        inflight_write_kv_f32(s->qkv + q_size, width, s->qkv + q_size + kv_size, width,
-                              layer->k_cache, layer->v_cache, s->slots, t, m->num_kv_heads,
-                              m->num_blocks * m->block_size, d);
-        status = inflight_paged_attention_f32(
-            s->qkv, width, s->attn, q_size, t, layer->k_cache, layer->v_cache,
+        inflight_write_kv(s->qkv + q_size, width, s->qkv + q_size + kv_size, width,
+                          layer->k_cache, layer->v_cache, m->kv_bf16, s->slots, t,
+                          m->num_kv_heads, m->num_blocks * m->block_size, d);
+        status = inflight_paged_attention(
+            s->qkv, width, s->attn, q_size, t, layer->k_cache, layer->v_cache, m->kv_bf16,
             m->num_blocks, m->block_size, s->block_table, s->row_tables, s->max_blocks,
             s->seq_lens, m->num_heads, m->num_kv_heads, d, m->scale, layer->window);
         if (status != 0)

@@ -1,27 +1,44 @@
-/* The register-blocked linear-layer microkernel shared by the float32 and the
- * weight-quantized kernels: y[M, N] = x[M, K] . W[N, K]^T (* scale) (+ bias).
+/* The register-blocked linear-layer microkernel shared by the float32, bf16
+ * and weight-quantized kernels: y[M, N] = x[M, K] . W[N, K]^T (* scale) (+ bias).
  *
- * W comes in panels of LINEAR_NR output columns, k-major inside a panel
- * ([K][NR]). The microkernel keeps a LINEAR_MR x 16 block of y in twelve
- * vector registers and, for each k, broadcasts MR x values against the panel's
- * two weight vectors. Each output is summed over k in the same order whatever
- * M is, so a row's result does not depend on the rest of the batch.
+ * W comes in panels of LINEAR_NR output columns, in 64-byte steps:
+ *   WEIGHTS_F32   one k per step: [K][16] floats;
+ *   WEIGHTS_BF16  a pair of k per step: [ceil(K / 2)][16][2] bf16, each
+ *                 column's (k, k + 1) side by side (the layout of vdpbf16ps,
+ *                 csrc/bf16_kernels.c; K odd: a zero pads the last pair).
+ * The microkernel keeps a LINEAR_MR x 16 block of y in twelve vector registers
+ * and, for each k, broadcasts MR x values against the panel's two weight
+ * vectors (bf16 widened to float32 in registers by a 16-bit shift: four
+ * weight vectors a step, so at most LINEAR_MR_BF16 rows, whose sums and
+ * weights fit AVX2's sixteen registers). Each output is summed over k in the
+ * same order whatever M is, so a row's result does not depend on the rest of
+ * the batch; and bf16 weights give the bits float32 weights of the same values
+ * would.
  */
 #ifndef INFLIGHT_LINEAR_KERNEL_H
 #define INFLIGHT_LINEAR_KERNEL_H
 
 #include <stdint.h>
 
+#include "isa.h"
+
 /* Parallelise only loops with at least this many elements of work. */
 #define PARALLEL_MIN_WORK 32768
 
 #define LINEAR_NR 16
 #define LINEAR_MR 6
+#define LINEAR_MR_BF16 4
 /* Rows from which a panel's tiles prefetch the next panel (see linear_panel). */
 #define LINEAR_PREFETCH_ROWS 4
+#define LINEAR_STEP_BYTES 64
 
-/* 8 floats; loads and stores through it may be unaligned. */
-typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
+enum { WEIGHTS_F32, WEIGHTS_BF16 };
+
+/* Whole 64-byte steps of a panel over k. */
+static inline int64_t panel_steps(int wfmt, int64_t k)
+{
+    return wfmt == WEIGHTS_F32 ? k : (k + 1) / 2;
+}
 
 static inline float hsum8(v8f v)
 {
@@ -59,34 +76,55 @@ static inline __attribute__((always_inline)) void store_block(
     }
 }
 
-/* Rows 0..rows-1 of x (K floats each) against one float32 panel; every
- * `spacing`-th k also prefetches the next line from `prefetch` (or NULL). */
+/* acc[r] += x[r][kk] * (w0, w1) for `rows` rows (x rows k floats apart). */
+static inline __attribute__((always_inline)) void multiply_add_rows(
+    v8f acc[][2], const float *x, int64_t k, int64_t kk, v8f w0, v8f w1, int rows)
+{
+    for (int r = 0; r < rows; r++) {
+        const float xv = x[r * k + kk];
+        acc[r][0] += xv * w0;
+        acc[r][1] += xv * w1;
+    }
+}
+
+/* Rows 0..rows-1 of x (K floats each) against one panel in format wfmt; every
+ * `spacing`-th step also prefetches the next line from `prefetch` (or NULL). */
 static inline __attribute__((always_inline)) void linear_block(
-    const float *x, int64_t k, const float *panel, const float *scale, const float *bias,
-    float *y, int64_t n, int64_t col, int64_t cols, int rows, const float *prefetch,
-    int64_t spacing)
+    const float *x, int64_t k, const void *panel, int wfmt, const float *scale,
+    const float *bias, float *y, int64_t n, int64_t col, int64_t cols, int rows,
+    const char *prefetch, int64_t spacing)
 {
     v8f acc[LINEAR_MR][2];
     for (int r = 0; r < LINEAR_MR; r++)
         acc[r][0] = acc[r][1] = (v8f){0};
-    for (int64_t kk = 0; kk < k; kk++) {
-        if (prefetch && (kk & (spacing - 1)) == 0)
-            __builtin_prefetch(prefetch + (kk / spacing) * LINEAR_NR, 0, 3);
-        const v8f w0 = *(const v8f *)(panel + kk * LINEAR_NR);
-        const v8f w1 = *(const v8f *)(panel + kk * LINEAR_NR + 8);
-        for (int r = 0; r < rows; r++) {
-            const float xv = x[r * k + kk];
-            acc[r][0] += xv * w0;
-            acc[r][1] += xv * w1;
+    const int64_t whole = wfmt == WEIGHTS_F32 ? k : k / 2;
+    for (int64_t s = 0; s < whole; s++) {
+        if (prefetch && (s & (spacing - 1)) == 0)
+            __builtin_prefetch(prefetch + (s / spacing) * LINEAR_STEP_BYTES, 0, 3);
+        const char *step = (const char *)panel + s * LINEAR_STEP_BYTES;
+        if (wfmt == WEIGHTS_F32) {
+            multiply_add_rows(acc, x, k, s, *(const v8f *)step, *(const v8f *)(step + 32),
+                              rows);
+        } else {
+            /* lane c: column c's bf16 of k (low half) and k + 1 (high half) */
+            const v8u lo = *(const v8u *)step, hi = *(const v8u *)(step + 32);
+            multiply_add_rows(acc, x, k, 2 * s, (v8f)(lo << 16), (v8f)(hi << 16), rows);
+            multiply_add_rows(acc, x, k, 2 * s + 1, (v8f)(lo & 0xffff0000u),
+                              (v8f)(hi & 0xffff0000u), rows);
         }
+    }
+    if (wfmt == WEIGHTS_BF16 && (k & 1)) {  /* the last k, alone in its pair */
+        const char *step = (const char *)panel + whole * LINEAR_STEP_BYTES;
+        const v8u lo = *(const v8u *)step, hi = *(const v8u *)(step + 32);
+        multiply_add_rows(acc, x, k, k - 1, (v8f)(lo << 16), (v8f)(hi << 16), rows);
     }
     store_block(acc, rows, scale, bias, y, n, col, cols);
 }
 
-/* All M rows against one float32 panel, in ceil(M / LINEAR_MR) tiles of
- * near-equal row counts (8 rows: 4 + 4, not 6 + 2: a tile of one or two rows
- * is bound by its weight loads), each row count a constant so that its loop is
- * unrolled.
+/* All M rows against one panel, in ceil(M / LINEAR_MR) tiles of near-equal row
+ * counts (8 rows: 4 + 4, not 6 + 2: a tile of one or two rows is bound by its
+ * weight loads; bf16: LINEAR_MR_BF16), each row count a constant so that its
+ * loop is unrolled.
  *
  * `next` (or NULL) is the panel the thread takes next: from
  * LINEAR_PREFETCH_ROWS rows on, each tile prefetches its share of it, so that
@@ -95,28 +133,34 @@ static inline __attribute__((always_inline)) void linear_block(
  * fewer rows the arithmetic is short and the panels go by as one contiguous
  * stream; asked for as well, one row's weights read about a tenth slower. */
 static inline __attribute__((always_inline)) void linear_panel(
-    const float *x, int64_t m, int64_t k, const float *panel, const float *scale,
-    const float *bias, float *y, int64_t n, int64_t col, int64_t cols, const float *next)
+    const float *x, int64_t m, int64_t k, const void *panel, int wfmt, const float *scale,
+    const float *bias, float *y, int64_t n, int64_t col, int64_t cols, const void *next)
 {
-    const int64_t tiles = (m + LINEAR_MR - 1) / LINEAR_MR;
+    const int64_t mr = wfmt == WEIGHTS_F32 ? LINEAR_MR : LINEAR_MR_BF16;
+    const int64_t tiles = (m + mr - 1) / mr, steps = panel_steps(wfmt, k);
     if (m < LINEAR_PREFETCH_ROWS)
         next = NULL;
-    int64_t spacing = 1;  /* iterations between prefetches: a power of two >= tiles */
+    int64_t spacing = 1;  /* steps between prefetches: a power of two >= tiles */
     while (spacing < tiles)
         spacing *= 2;
     int64_t row = 0;
     for (int64_t t = 0; t < tiles; t++) {
         const int rows = (int)(m / tiles + (t < m % tiles));
-        const float *xr = x + row * k, *pf = next ? next + t * (k / spacing) * LINEAR_NR : NULL;
+        const float *xr = x + row * k;
+        const char *pf = next ? (const char *)next + t * (steps / spacing) * LINEAR_STEP_BYTES
+                              : NULL;
         float *yr = y + row * n;
+#define LINEAR_ROWS(r) linear_block(xr, k, panel, wfmt, scale, bias, yr, n, col, cols, r, pf, \
+                                    spacing)
         switch (rows) {
-        case 6: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 6, pf, spacing); break;
-        case 5: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 5, pf, spacing); break;
-        case 4: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 4, pf, spacing); break;
-        case 3: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 3, pf, spacing); break;
-        case 2: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 2, pf, spacing); break;
-        default: linear_block(xr, k, panel, scale, bias, yr, n, col, cols, 1, pf, spacing); break;
+        case 6: LINEAR_ROWS(6); break;
+        case 5: LINEAR_ROWS(5); break;
+        case 4: LINEAR_ROWS(4); break;
+        case 3: LINEAR_ROWS(3); break;
+        case 2: LINEAR_ROWS(2); break;
+        default: LINEAR_ROWS(1); break;
         }
+#undef LINEAR_ROWS
         row += rows;
     }
 }

@@ -1,9 +1,11 @@
-/* Linear layers and embedding lookups on weight-quantized matrices, computed
- * from the quantized values without a float32 copy of the weights.
+/* Linear layers and embedding lookups on weights stored in other formats than
+ * float32 panels, computed from the stored values without a float32 copy.
  *
- * Formats (QUANT_* below): int8 with one float32 scale per output column, and
- * three GGUF block formats over blocks of 32 weights along K, each block with
- * a float16 scale d (and for Q4_1 a float16 minimum m):
+ * Formats (QUANT_* below): bf16 (bf16_kernels.c) and W8A8 (int8_kernels.c),
+ * dispatched to their own sources; here, int8 with one float32 scale per
+ * output column (float32 activations), and three GGUF block formats over
+ * blocks of 32 weights along K, each block with a float16 scale d (and for
+ * Q4_1 a float16 minimum m):
  *   Q8_0: w = d * q,        q int8
  *   Q4_0: w = d * (q - 8),  q in 0..15
  *   Q4_1: w = d * q + m,    q in 0..15
@@ -45,7 +47,8 @@
 #define QUANT_X86 1
 #endif
 
-enum { QUANT_INT8 = 0, QUANT_Q8_0 = 1, QUANT_Q4_0 = 2, QUANT_Q4_1 = 3 };
+enum { QUANT_INT8 = 0, QUANT_Q8_0 = 1, QUANT_Q4_0 = 2, QUANT_Q4_1 = 3, QUANT_BF16 = 4,
+       QUANT_W8A8 = 5 };
 
 #define QUANT_BLOCK 32
 /* int8: from this many rows on, widen each panel once into scratch. */
@@ -55,7 +58,6 @@ enum { QUANT_INT8 = 0, QUANT_Q8_0 = 1, QUANT_Q4_0 = 2, QUANT_Q4_1 = 3 };
 /* Groups ahead of use that a tile asks the memory for. */
 #define GGUF_PREFETCH_GROUPS 8
 
-typedef int32_t v8i __attribute__((vector_size(32), aligned(4), may_alias));
 typedef int16_t v16h __attribute__((vector_size(32)));
 typedef uint8_t v16u8 __attribute__((vector_size(16), aligned(1), may_alias));
 typedef int8_t v16s8 __attribute__((vector_size(16), aligned(1), may_alias));
@@ -210,7 +212,7 @@ static void int8_unit(const float *x, int64_t m, int64_t k, const uint8_t *panel
         for (int64_t kk = 0; kk < k; kk++)
             widen_int8(panel, kk, (v8f *)(wide + kk * LINEAR_NR),
                        (v8f *)(wide + kk * LINEAR_NR + 8));
-        linear_panel(x, m, k, wide, scale, bias, y, n, col,
+        linear_panel(x, m, k, wide, WEIGHTS_F32, scale, bias, y, n, col,
                      n - col < LINEAR_NR ? n - col : LINEAR_NR, NULL);
         return;
     }
@@ -435,31 +437,41 @@ static int gguf_linear(int fmt, const float *x, const uint8_t *packed, const flo
     return 0;
 }
 
-/* y[M, N] = x[M, K] . W^T (+ bias) for W packed as described above (scale: the
- * int8 column scales, padded to whole panels). Returns -1 if scratch memory
- * ran out, -2 for an unknown format. */
+/* y[M, N] = x[M, K] . W^T (+ bias) for W packed in format fmt (scale: the
+ * int8 and W8A8 column scales, padded to whole panels). Returns -1 if scratch
+ * memory ran out, -2 for an unknown format. */
 int inflight_quant_linear(int64_t fmt, const float *x, const uint8_t *packed, const float *scale,
                           const float *bias, float *y, int64_t m, int64_t n, int64_t k)
 {
-    if (fmt < QUANT_INT8 || fmt > QUANT_Q4_1)
-        return -2;
-    if (fmt == QUANT_INT8)
-        return int8_linear(x, packed, scale, bias, y, m, n, k);
-    return gguf_linear((int)fmt, x, packed, bias, y, m, n, k);
+    switch (fmt) {
+    case QUANT_INT8: return int8_linear(x, packed, scale, bias, y, m, n, k);
+    case QUANT_Q8_0: case QUANT_Q4_0: case QUANT_Q4_1:
+        return gguf_linear((int)fmt, x, packed, bias, y, m, n, k);
+    case QUANT_BF16: return inflight_bf16_linear(x, packed, bias, y, m, n, k);
+    case QUANT_W8A8: return inflight_w8a8_linear(x, packed, scale, bias, y, m, n, k);
+    default: return -2;
+    }
 }
 
-/* out[t, :] = row ids[t] of W (an embedding table stored as the panels of the
- * output layer it is tied to), each weight as the linear kernels use it
- * (int8 times its column's scale; d q + m, d (q - 8) or d q). */
+/* out[t, :] = row ids[t] of W (an embedding table stored as panels: its own, or
+ * the output layer's it is tied to), each weight as the linear kernels use it
+ * (int8 times its column's scale; d q + m, d (q - 8) or d q; bf16 widened). */
 void inflight_quant_embedding(int64_t fmt, const int64_t *ids, int64_t num_tokens,
                               const uint8_t *packed, const float *scale, float *out, int64_t k)
 {
-    const int64_t panel_bytes = panel_bytes_of(fmt, k);
 #pragma omp parallel for if (num_tokens * k > PARALLEL_MIN_WORK)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t id = ids[t], c = id % LINEAR_NR;
-        const uint8_t *panel = packed + id / LINEAR_NR * panel_bytes;
         float *o = out + t * k;
+        if (fmt == QUANT_BF16) {
+            inflight_bf16_row(packed, k, id, o);
+            continue;
+        }
+        if (fmt == QUANT_W8A8) {
+            inflight_w8a8_row(packed, scale, k, id, o);
+            continue;
+        }
+        const uint8_t *panel = packed + id / LINEAR_NR * panel_bytes_of(fmt, k);
         if (fmt == QUANT_INT8) {
             for (int64_t kk = 0; kk < k; kk++)
                 o[kk] = (float)(int8_t)panel[kk * LINEAR_NR + c] * scale[id];

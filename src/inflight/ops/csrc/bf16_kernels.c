@@ -1,0 +1,195 @@
+/* Linear layers on bf16 weights: y[M, N] = x[M, K] . W[N, K]^T (+ bias), x and
+ * y float32, W in panels of linear_kernel.h's WEIGHTS_BF16 layout (16 columns,
+ * each pair of k side by side: 64 bytes a step).
+ *
+ * Two ways, by build:
+ *  - widened (every build but INFLIGHT_AVX512_BF16): each weight widened to
+ *    float32 (a 16-bit shift) and multiplied by float32 x with FMA, the float32
+ *    kernel's arithmetic, bit for bit: a few rows (decode) widen in registers
+ *    and read half the bytes (what a decode step is bound by); from
+ *    BF16_SCRATCH_MIN_ROWS rows on each panel is widened once into a float32
+ *    scratch panel in L2 and the float32 kernel runs over it (widened in
+ *    registers, four more vector registers a step cost AVX2 its six-row tiles:
+ *    half float32's speed at 64 rows);
+ *  - dot products (INFLIGHT_AVX512_BF16): each row of x rounded to bf16 once
+ *    per call, then vdpbf16ps adds each pair of k's two products into a
+ *    float32 sum per column: one instruction for 16 columns x 2 k, twice the
+ *    multiply-adds of a float32 FMA's.
+ * Either way each row is computed the same whatever the batch.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "kernels.h"
+#include "linear_kernel.h"
+
+#ifdef INFLIGHT_AVX512_BF16
+
+/* Rows x panels of a tile, at most: as many float32 sums in flight. */
+#define BF16_TILE 8
+
+/* `rows` rows of bf16 pairs (xb, `pairs` per row) against `panels` adjacent
+ * panels from column col, read once. */
+static inline __attribute__((always_inline)) void dot_tile(
+    const uint32_t *xb, int64_t pairs, const uint8_t *panel, int64_t panel_bytes, int panels,
+    const float *bias, float *y, int64_t n, int64_t col, int rows)
+{
+    v16f acc[BF16_TILE];  /* row r, panel p at r * panels + p */
+    for (int i = 0; i < BF16_TILE; i++)
+        acc[i] = (v16f){0};
+    for (int64_t s = 0; s < pairs; s++) {
+        for (int p = 0; p < panels; p++) {
+            const v16i w = *(const v16i *)(panel + p * panel_bytes + s * LINEAR_STEP_BYTES);
+            for (int r = 0; r < rows; r++)
+                acc[r * panels + p] = dot_bf16_pairs(acc[r * panels + p], w,
+                                                     (v16i){0} + (int32_t)xb[r * pairs + s]);
+        }
+    }
+    for (int p = 0; p < panels; p++) {
+        v8f out[BF16_TILE][2];
+        for (int r = 0; r < rows; r++)
+            memcpy(out[r], &acc[r * panels + p], sizeof out[r]);
+        const int64_t c = col + p * LINEAR_NR;
+        store_block(out, rows, NULL, bias, y, n, c, n - c < LINEAR_NR ? n - c : LINEAR_NR);
+    }
+}
+
+/* All m rows against `count` adjacent panels: one tile for a decode's few
+ * rows, else per panel tiles of up to BF16_TILE near-equal row counts. */
+static void dot_unit(const uint32_t *xb, int64_t pairs, int64_t m, const uint8_t *panel,
+                     int64_t panel_bytes, int count, const float *bias, float *y, int64_t n,
+                     int64_t col)
+{
+    if (m == 1 && count == 4) {
+        dot_tile(xb, pairs, panel, panel_bytes, 4, bias, y, n, col, 1);
+        return;
+    }
+    if (m == 2 && count == 2) {
+        dot_tile(xb, pairs, panel, panel_bytes, 2, bias, y, n, col, 2);
+        return;
+    }
+    const int64_t tiles = (m + BF16_TILE - 1) / BF16_TILE;
+    for (int p = 0; p < count; p++) {
+        int64_t row = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int rows = (int)(m / tiles + (t < m % tiles));
+            const uint32_t *xr = xb + row * pairs;
+            const uint8_t *pp = panel + p * panel_bytes;
+            float *yr = y + row * n;
+            const int64_t c = col + p * LINEAR_NR;
+#define DOT_ROWS(r) dot_tile(xr, pairs, pp, panel_bytes, 1, bias, yr, n, c, r)
+            switch (rows) {
+            case 8: DOT_ROWS(8); break;
+            case 7: DOT_ROWS(7); break;
+            case 6: DOT_ROWS(6); break;
+            case 5: DOT_ROWS(5); break;
+            case 4: DOT_ROWS(4); break;
+            case 3: DOT_ROWS(3); break;
+            case 2: DOT_ROWS(2); break;
+            default: DOT_ROWS(1); break;
+            }
+#undef DOT_ROWS
+            row += rows;
+        }
+    }
+}
+
+int inflight_bf16_linear(const float *x, const uint8_t *packed, const float *bias, float *y,
+                         int64_t m, int64_t n, int64_t k)
+{
+    const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR, pairs = (k + 1) / 2;
+    const int64_t panel_bytes = pairs * LINEAR_STEP_BYTES;
+    /* x as bf16 pairs, each row's (k, k + 1) in one 32-bit word, k odd: 0 last */
+    uint32_t *xb = malloc((size_t)(m * pairs) * sizeof(uint32_t));
+    if (xb == NULL)
+        return -1;
+#pragma omp parallel for if (m * k > PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t s = 0; s < pairs; s++) {
+            const float *xr = x + r * k;
+            const uint32_t high = 2 * s + 1 < k ? bf16_from_float(xr[2 * s + 1]) : 0;
+            xb[r * pairs + s] = bf16_from_float(xr[2 * s]) | high << 16;
+        }
+    /* Panels per unit of work: a decode tile's, or one. */
+    const int64_t width = m == 1 ? 4 : m == 2 ? 2 : 1;
+    const int64_t units = (panels + width - 1) / width;
+#pragma omp parallel for schedule(static) if (m * n * k > PARALLEL_MIN_WORK)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t first = u * width;
+        const int count = (int)(panels - first < width ? panels - first : width);
+        dot_unit(xb, pairs, m, packed + first * panel_bytes, panel_bytes, count, bias, y, n,
+                 first * LINEAR_NR);
+    }
+    free(xb);
+    return 0;
+}
+
+#else
+
+#define BF16_SCRATCH_MIN_ROWS 16
+
+/* A bf16 panel as float32 [K][16] (the float32 kernel's layout). */
+static void widen_panel(const uint8_t *panel, int64_t k, float *wide)
+{
+    for (int64_t s = 0; s < k / 2; s++) {
+        const v8u lo = *(const v8u *)(panel + s * LINEAR_STEP_BYTES);
+        const v8u hi = *(const v8u *)(panel + s * LINEAR_STEP_BYTES + 32);
+        float *w = wide + 2 * s * LINEAR_NR;
+        *(v8f *)w = (v8f)(lo << 16);
+        *(v8f *)(w + 8) = (v8f)(hi << 16);
+        *(v8f *)(w + LINEAR_NR) = (v8f)(lo & 0xffff0000u);
+        *(v8f *)(w + LINEAR_NR + 8) = (v8f)(hi & 0xffff0000u);
+    }
+    if (k & 1) {
+        const uint8_t *last = panel + k / 2 * LINEAR_STEP_BYTES;
+        *(v8f *)(wide + (k - 1) * LINEAR_NR) = (v8f)(*(const v8u *)last << 16);
+        *(v8f *)(wide + (k - 1) * LINEAR_NR + 8) = (v8f)(*(const v8u *)(last + 32) << 16);
+    }
+}
+
+int inflight_bf16_linear(const float *x, const uint8_t *packed, const float *bias, float *y,
+                         int64_t m, int64_t n, int64_t k)
+{
+    const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR;
+    const int64_t panel_bytes = panel_steps(WEIGHTS_BF16, k) * LINEAR_STEP_BYTES;
+    const int scratch = m >= BF16_SCRATCH_MIN_ROWS;
+    int failed = 0;
+#pragma omp parallel if (m * n * k > PARALLEL_MIN_WORK)
+    {
+        /* Cache-line aligned: a vector load never straddles two lines. */
+        float *wide = scratch ? aligned_alloc(64, (size_t)(k * LINEAR_NR) * sizeof(float))
+                              : NULL;
+        if (scratch && wide == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t col = p * LINEAR_NR, cols = n - col < LINEAR_NR ? n - col : LINEAR_NR;
+            const uint8_t *panel = packed + p * panel_bytes;
+            if (!scratch) {
+                linear_panel(x, m, k, panel, WEIGHTS_BF16, NULL, bias, y, n, col, cols,
+                             p + 1 < panels ? panel + panel_bytes : NULL);
+            } else if (wide != NULL) {
+                widen_panel(panel, k, wide);
+                linear_panel(x, m, k, wide, WEIGHTS_F32, NULL, bias, y, n, col, cols, NULL);
+            }
+        }
+        free(wide);
+    }
+    return failed ? -1 : 0;
+}
+
+#endif
+
+/* Row `id` of W (column id of the panels) as floats: an embedding lookup. */
+void inflight_bf16_row(const uint8_t *packed, int64_t k, int64_t id, float *out)
+{
+    const uint16_t *panel = (const uint16_t *)(packed + id / LINEAR_NR *
+                                               panel_steps(WEIGHTS_BF16, k) * LINEAR_STEP_BYTES);
+    const int64_t c = id % LINEAR_NR;
+    for (int64_t kk = 0; kk < k; kk++)
+        out[kk] = bf16_to_float(panel[kk / 2 * 2 * LINEAR_NR + 2 * c + kk % 2]);
+}
