@@ -15,8 +15,10 @@ request carries ``structured_outputs``):
   constrained row samples (a verified run: the state after each draft, the
   drafts accepted for it and rolled back after);
 - ``advance`` after the step: each matcher takes in its sequence's new
-  tokens (a token it refuses ends the sequence with an error);
-- ``forget`` for the sequences that ended.
+  tokens (a token it refuses ends the sequence with an error), and those of
+  sequences that finished are dropped;
+- ``forget`` for the sequences that ended otherwise (aborts, stop strings,
+  deadlines, dropped beams).
 
 A matcher counts the output tokens it has taken in, and catches up from the
 sequence's own tokens whenever it is used: preemption (recompute or swap)
@@ -261,7 +263,12 @@ class StructuredOutputManager:
         failed, self._refused = self._refused, {}
         for request in out.requests:
             state = self._sequences.get(request.request_id)
-            if state is None or state.matcher is None or request.is_finished:
+            if state is None:
+                continue
+            if request.is_finished:
+                del self._sequences[request.request_id]
+                continue
+            if state.matcher is None:
                 continue
             try:
                 self._matcher(state)
