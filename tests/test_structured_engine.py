@@ -75,7 +75,7 @@ def test_outputs_follow_their_constraint(tiny_model, sampling):
             assert follows(c.text, CONSTRAINTS[i % 4][1]), c.text
     kv = engine.engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
-    assert not engine.engine.structured._sequences  # every matcher dropped
+    assert not engine.engine.core.structured._sequences  # every matcher dropped
 
 
 def test_plain_requests_keep_their_greedy_tokens_beside_constrained_ones(tiny_model):
@@ -131,13 +131,13 @@ def test_speculation_changes_no_constrained_output(tiny_model):
     tokenizer = spec.get_tokenizer()
     text = expected[0].outputs[0].text
     drafter = llm(tiny_model)
-    drafter.engine.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4,
+    drafter.engine.core.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4,
                                                              adaptive=False),
                                            FixedProposer(tokenizer.encode(text[1:])))
     assert run(drafter, [params[0]], PROMPTS[:1])[0].outputs[0].text == text
     # ... and drafts it forbids never are.
     forbidden = tokenizer.encode("zzz")
-    drafter.engine.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3,
+    drafter.engine.core.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3,
                                                              adaptive=False),
                                            FixedProposer(forbidden))
     assert run(drafter, [params[0]], PROMPTS[:1])[0].outputs[0].text == text
@@ -176,7 +176,7 @@ def test_logprobs_are_of_the_masked_distribution(tiny_model):
 def test_a_request_waits_for_its_grammar_holding_nothing(tiny_model):
     engine = llm(tiny_model).engine
     gate = threading.Event()
-    engine.structured._executor.submit(gate.wait)  # the compile thread is busy
+    engine.core.structured._executor.submit(gate.wait)  # the compile thread is busy
     waiting = engine.add_request({"prompt_token_ids": PROMPTS[0]}, constrained(1))
     plain = engine.add_request({"prompt_token_ids": PROMPTS[1]},
                                SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
@@ -229,7 +229,7 @@ def test_bad_constraints_are_refused_before_anything_is_queued(tiny_model, const
 
 def test_a_grammar_that_fails_to_compile_ends_its_request_only(tiny_model):
     engine = llm(tiny_model)
-    structured = engine.engine.structured
+    structured = engine.engine.core.structured
 
     def broken() -> None:
         raise RuntimeError("no tokenizer tables")

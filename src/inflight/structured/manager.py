@@ -89,7 +89,7 @@ class StructuredOutputManager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-grammar")
         self._grammars: OrderedDict[tuple[str, str, bool], Future] = OrderedDict()
         self._sequences: dict[str, _SequenceGrammar] = {}
-        self._compiling: dict[str, _SequenceGrammar] = {}  # queued, grammar not ready
+        self._compiling: dict[str, _SequenceGrammar] = {}  # queued, not yet seen compiled
         # Sequences whose tokens their grammar refused, found before the step
         # ends (reported by ``advance``).
         self._refused: dict[str, str] = {}
@@ -122,8 +122,8 @@ class StructuredOutputManager:
             return
         state = _SequenceGrammar(request, self.compile(params))
         self._sequences[request.request_id] = state
-        if not state.grammar.done():
-            self._compiling[request.request_id] = state
+        # (Even if already compiled: a cached failure is reported by ``pop_failed``.)
+        self._compiling[request.request_id] = state
 
     def is_ready(self, request: Request) -> bool:
         """Whether the request may be scheduled: it has no grammar, or its
