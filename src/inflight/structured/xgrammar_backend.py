@@ -11,6 +11,10 @@ as empty strings, which it treats as never allowed inside a grammar; a
 grammar ends with one of the sequence's stop tokens. The bitmask covers the
 model's vocabulary, which may be larger than the tokenizer's: the ids past
 the tokenizer's are never allowed either.
+
+xgrammar (0.2.8) lets a string bounded by ``minLength``/``maxLength`` hold
+raw control characters, which JSON forbids; such strings are given as the
+equivalent pattern instead (``bounded_strings``), which it keeps to JSON.
 """
 
 from __future__ import annotations
@@ -54,6 +58,21 @@ def _structural_tag_text(tag: str | dict[str, Any]) -> str:
         return xgr.StructuralTag.from_legacy_structural_tag(
             items, value["triggers"]).model_dump_json()
     return tag if isinstance(tag, str) else json.dumps(tag)
+
+
+def bounded_strings(schema: Any) -> Any:
+    """``schema`` with each plain string bounded by ``minLength``/``maxLength``
+    given as a pattern of that many characters that JSON allows unescaped."""
+    if isinstance(schema, list):
+        return [bounded_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {k: bounded_strings(v) for k, v in schema.items()}
+    if (schema.get("type") == "string" and ("minLength" in schema or "maxLength" in schema)
+            and not {"pattern", "format", "enum", "const"} & schema.keys()):
+        low, high = schema.pop("minLength", 0), schema.pop("maxLength", "")
+        schema["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+    return schema
 
 
 def error_message(e: BaseException) -> str:
@@ -120,7 +139,8 @@ class XgrammarBackend:
         any_whitespace = not params.disable_any_whitespace
         kind, compiler = params.kind, self._compiler
         if kind == "json":
-            return compiler.compile_json_schema(params.spec, any_whitespace=any_whitespace)
+            schema = json.dumps(bounded_strings(json.loads(params.spec)))
+            return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
         if kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}',
                                                 any_whitespace=any_whitespace)
