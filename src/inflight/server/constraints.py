@@ -74,6 +74,10 @@ def structured_outputs(req: p.CompletionRequest | p.ChatCompletionRequest
     return _checked(options, param)
 
 
+def _tool_grammar(schema: dict[str, Any]) -> StructuredOutputsParams:
+    return _checked({"json": schema, "disable_any_whitespace": True}, "tools")
+
+
 @dataclass
 class ToolPlan:
     """How a chat request's tools shape the prompt and the answer: ``tools``
@@ -89,7 +93,9 @@ class ToolPlan:
 
 def tool_plan(req: p.ChatCompletionRequest, auto_parser: str | None) -> ToolPlan:
     """``auto_parser``: the server's ``--tool-call-parser`` when
-    ``--enable-auto-tool-choice`` is set."""
+    ``--enable-auto-tool-choice`` is set. The grammar of a required or named
+    call writes JSON the way models do (``", "`` and ``": "``, no other
+    whitespace): free whitespace lets a small model spend its tokens on it."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -113,10 +119,10 @@ def tool_plan(req: p.ChatCompletionRequest, auto_parser: str | None) -> ToolPlan
              "required": ["name", "parameters"]} for name, f in functions.items()]}}
         if not req.parallel_tool_calls:
             calls["maxItems"] = 1
-        return ToolPlan(tools, RequiredParser(), None, _checked({"json": calls}, "tools"))
+        return ToolPlan(tools, RequiredParser(), None, _tool_grammar(calls))
     name = choice.function.name
     if name not in functions:
         raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools",
                              "tool_choice")
     schema = functions[name].parameters or {"type": "object"}
-    return ToolPlan(tools, NamedParser(name), 1, _checked({"json": schema}, "tools"))
+    return ToolPlan(tools, NamedParser(name), 1, _tool_grammar(schema))
