@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--quantization", dest="quantization_list", default="",
                     help="comma list of none, int8, q8_0, q4_0, q4_1, gguf: the weight format "
                          "per run (default: none)")
+    tp.add_argument("--json-schema-fraction", dest="json_schema_fraction_list", default="",
+                    help="comma list of fractions in [0, 1]: that share of the requests carry "
+                         "a JSON schema per run (e.g. 0,0.5; default: none)")
+    tp.add_argument("--json-schema", default=None,
+                    help="a JSON schema file for --json-schema-fraction (default: a list of "
+                         "64 records, inflight.bench.structured.BENCH_SCHEMA)")
     tp.add_argument("--num-speculative-tokens", type=int, default=4,
                     help="drafts per request and step when speculating")
     tp.add_argument("--hf-batch-size", type=int, default=16)
