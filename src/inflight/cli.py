@@ -16,6 +16,7 @@ import typing
 from collections.abc import Sequence
 
 from inflight.config import EngineConfig
+from inflight.server.tool_parsers import TOOL_PARSERS
 
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -101,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "else $XDG_DATA_HOME/inflight, else ~/.local/share/inflight)")
     srv.add_argument("--batch-max-in-flight", type=int, default=None,
                      help="batch lines in the engine at once (default: --max-num-seqs)")
+    srv.add_argument("--tool-call-parser", default=None,
+                     choices=sorted(TOOL_PARSERS),
+                     help="how tool calls are read from the model's output (hermes: Hermes, "
+                          "Qwen2/2.5; llama3_json: Llama 3.x; mistral)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='let the model decide whether to call tools (tool_choice "auto", '
+                          "the default with tools); needs --tool-call-parser")
     ray_group = srv.add_argument_group(
         "scale-out on Ray Serve (pip install 'inflight[ray]')",
         "with --replicas or --autoscale, engines run as replicas of a Ray Serve deployment "
@@ -158,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--dtype", dest="dtype_list", default="",
                     help="comma list of auto, float32, bfloat16, ...: the dtype per run "
                          "(default: auto)")
+    tp.add_argument("--json-schema-fraction", dest="json_schema_fraction_list", default="",
+                    help="comma list of fractions in [0, 1]: that share of the requests carry "
+                         "a JSON schema per run (e.g. 0,0.5; default: none)")
+    tp.add_argument("--json-schema", default=None,
+                    help="a JSON schema file for --json-schema-fraction (default: a list of "
+                         "64 records, inflight.bench.structured.BENCH_SCHEMA)")
     tp.add_argument("--num-speculative-tokens", type=int, default=4,
                     help="drafts per request and step when speculating")
     tp.add_argument("--hf-batch-size", type=int, default=16)
@@ -362,7 +376,8 @@ def _serve(args: argparse.Namespace) -> int:
                  max_waiting_requests=args.max_waiting_requests,
                  max_waiting_per_tenant=args.max_waiting_per_tenant,
                  max_queue_wait=args.max_queue_wait, shutdown_timeout=args.shutdown_timeout,
-                 log_level=args.log_level.lower())
+                 log_level=args.log_level.lower(), tool_call_parser=args.tool_call_parser,
+                 enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
 def _run_batch(args: argparse.Namespace) -> int:
@@ -386,7 +401,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         replicas=args.replicas or 1,
         autoscale=parse_autoscale(args.autoscale) if args.autoscale else None,
         router=args.router, replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
-        api_key=args.api_key)
+        api_key=args.api_key, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice)
     replica = ReplicaOptions(
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_per_tenant=args.max_waiting_per_tenant, max_queue_wait=args.max_queue_wait,

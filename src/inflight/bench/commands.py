@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from inflight.bench.structured import compile_seconds, constrained, schema_params
 from inflight.bench.throughput import (ThroughputResult, matmul_flops, run_engine,
                                        run_hf_continuous, run_hf_generate)
 from inflight.workload.offline import (CHAT_WORKLOADS, SYNTHETIC, BenchRequest, chat_workload,
@@ -87,10 +88,13 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     speculation = [x for x in args.speculative_list.split(",") if x] or ["off"]
     quantization = [x for x in args.quantization_list.split(",") if x] or ["none"]
     dtypes = [x for x in args.dtype_list.split(",") if x] or [base.dtype]
+    schema_fractions = [float(x) for x in args.json_schema_fraction_list.split(",") if x] or [0.0]
+    schema = schema_params(args.json_schema) if any(schema_fractions) else None
+    grammar_seconds: dict[str, float] | None = None
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
     configs = list(itertools.product(modes, preemption, caching, speculation, quantization,
-                                     dtypes, seqs))
+                                     dtypes, schema_fractions, seqs))
     runs: dict[tuple, list[ThroughputResult]] = {config: [] for config in configs}
     requests = None
     engine = None
@@ -98,23 +102,28 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
     # drifts (other tenants, memory bandwidth) slows every configuration alike.
     for round_ in range(args.repeat):
         for config in configs if round_ % 2 == 0 else configs[::-1]:
-            mode, preempt, cache, spec, quant, dtype, n = config
+            mode, preempt, cache, spec, quant, dtype, fraction, n = config
             engine = None
             engine = _engine(base, args.model_stub, scheduling=mode, max_num_seqs=n,
                              preemption_mode=preempt, enable_prefix_caching=cache,
                              speculative_config=_speculative(spec, args.num_speculative_tokens),
                              quantization=None if quant == "none" else quant, dtype=dtype)
             requests = requests or load_workload(args, engine)
+            if schema is not None:  # (compiled before the timed run, and timed once)
+                seconds = compile_seconds(engine, schema)
+                grammar_seconds = grammar_seconds or seconds
             label = "/".join([mode] + [preempt] * (len(preemption) > 1)
                              + [f"cache-{'on' if cache else 'off'}"] * (len(caching) > 1)
                              + [f"spec-{spec}"] * (len(speculation) > 1)
                              + [f"weights-{quant}"] * (len(quantization) > 1)
-                             + [f"dtype-{dtype}"] * (len(dtypes) > 1))
+                             + [f"dtype-{dtype}"] * (len(dtypes) > 1)
+                             + [f"schema-{fraction:g}"] * (len(schema_fractions) > 1))
             print(f"running {label} batching, max_num_seqs={n}, {len(requests)} requests"
                   + (f" (round {round_ + 1} of {args.repeat})" if args.repeat > 1 else "")
                   + " ...", flush=True)
-            runs[config].append(run_engine(engine, requests, label=label,
-                                           ignore_eos=args.ignore_eos, profile=args.profile))
+            runs[config].append(run_engine(
+                engine, requests, label=label, ignore_eos=args.ignore_eos, profile=args.profile,
+                structured=constrained(len(requests), fraction, schema) if fraction else None))
     # Noise only ever slows a run down: the fastest of a configuration's runs.
     results = [max(runs[c], key=lambda r: r.output_tokens_per_second) for c in configs]
     assert engine is not None and requests is not None
@@ -141,6 +150,10 @@ def throughput(args: argparse.Namespace, base: EngineConfig) -> int:
             resolve_model_dir(base.model), requests, ignore_eos=args.ignore_eos,
             dtype=facts.dtype, device=facts.device, eos_token_ids=eos))
     report = _report(args, base, facts, requests, results)
+    if grammar_seconds is not None:
+        print("grammar: " + ", ".join(f"{k} {1000 * v:.2f} ms"
+                                      for k, v in grammar_seconds.items()))
+        report["grammar"] = grammar_seconds
     if args.repeat > 1:
         report["repeat"] = {"rounds": args.repeat, "output_tokens_per_second": {
             f"{r.label} max_num_seqs={r.max_num_seqs}": [x.output_tokens_per_second
@@ -274,6 +287,12 @@ def _ratios(results: list[ThroughputResult]) -> dict[str, float]:
                 f"{base}/weights-none", n) in by:
             ratios[f"{weights[8:]}/none output tokens/s at max_num_seqs={n}"] = (
                 r.output_tokens_per_second / by[f"{base}/weights-none", n].output_tokens_per_second)
+    for (label, n), r in by.items():
+        base, _, schema = label.rpartition("/")
+        if schema.startswith("schema-") and schema != "schema-0" and (
+                f"{base}/schema-0", n) in by:
+            ratios[f"{schema}/schema-0 total tokens/s at max_num_seqs={n}"] = (
+                r.total_tokens_per_second / by[f"{base}/schema-0", n].total_tokens_per_second)
     for (label, n), r in by.items():
         base, _, cache = label.rpartition("/")
         if cache == "cache-on" and (f"{base}/cache-off", n) in by:

@@ -16,7 +16,7 @@ import torch
 from inflight.bench.profiler import StepProfiler
 from inflight.bench.timing import best_seconds
 from inflight.workload.offline import BenchRequest
-from inflight.core.sampling_params import SamplingParams
+from inflight.core.sampling_params import SamplingParams, StructuredOutputsParams
 from inflight.engine.llm_engine import LLMEngine
 from inflight.ops.cpu_ops import CpuOps
 from inflight.ops.quant import QuantOps
@@ -77,9 +77,12 @@ class ThroughputResult:
 
 def run_engine(engine: LLMEngine, requests: list[BenchRequest], *, label: str,
                ignore_eos: bool, profile: bool = False, record_batches: bool = False,
-               warmup: bool = True) -> ThroughputResult:
+               warmup: bool = True,
+               structured: list[StructuredOutputsParams | None] | None = None
+               ) -> ThroughputResult:
     """Add every request at once (a conversation's next turn once the previous
-    one is answered), step the engine until all finish, and time it."""
+    one is answered), step the engine until all finish, and time it.
+    ``structured``: each request's constraint (None: none)."""
     if warmup:
         _warm_up(engine)
     profiler = None
@@ -101,7 +104,8 @@ def run_engine(engine: LLMEngine, requests: list[BenchRequest], *, label: str,
         prompt = ({"prompt_token_ids": history + r.prompt_token_ids} if r.follows is not None
                   else r.as_prompt())
         rid = engine.add_request(prompt, SamplingParams(
-            temperature=0, max_tokens=r.max_tokens, ignore_eos=ignore_eos))
+            temperature=0, max_tokens=r.max_tokens, ignore_eos=ignore_eos,
+            structured_outputs=structured[i] if structured else None))
         index_of[rid] = i
         return rid
 

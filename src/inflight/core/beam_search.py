@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from inflight.core.sampling_params import StructuredOutputsParams, structured_outputs_params
+
 if TYPE_CHECKING:
     from inflight.core.request import FinishReason, Request
 
@@ -51,12 +53,16 @@ class BeamSearchParams:
     """Like vLLM's: ``beam_width`` hypotheses kept per step; ``max_tokens``
     generated at most (None: up to the context limit); ``length_penalty``
     divides a finished hypothesis' cumulative log-probability by its length to
-    this power (> 0 favours longer ones); ``ignore_eos`` keeps going past EOS."""
+    this power (> 0 favours longer ones); ``ignore_eos`` keeps going past EOS;
+    ``structured_outputs`` constrains every beam (a ``StructuredOutputsParams``
+    or a dict of its fields): tokens the constraint forbids are never
+    candidates."""
 
     beam_width: int
     max_tokens: int | None = 16
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.beam_width) or self.beam_width < 1:
@@ -70,6 +76,8 @@ class BeamSearchParams:
                                                                      (int, float))
                 or not math.isfinite(self.length_penalty)):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        object.__setattr__(self, "structured_outputs",
+                           structured_outputs_params(self.structured_outputs))
 
 
 @dataclass
@@ -142,9 +150,11 @@ class BeamSearch:
 
     def advance(self) -> BeamStep:
         """Pick the next beams from the reports (see the module docstring);
-        updates scores, live beams and finished hypotheses."""
+        updates scores, live beams and finished hypotheses. A token of
+        probability 0 (one a grammar forbids) is never a candidate."""
         scored = [(self.scores[beam.request_id] + logprob, beam, token)
-                  for beam in self.live for token, logprob in self.reports[beam.request_id]]
+                  for beam in self.live for token, logprob in self.reports[beam.request_id]
+                  if logprob > -math.inf]
         scored.sort(key=lambda c: -c[0])  # stable: earlier beams, likelier tokens first
         candidates = scored[:self.num_candidates]
         length = self.live[0].num_output_tokens + 1  # of every candidate

@@ -6,6 +6,7 @@ a ``ValueError`` that names the field; an unknown option name does too.
 
 from __future__ import annotations
 
+import json as json_text
 import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -25,6 +26,88 @@ def _is_number(value: Any) -> bool:
             and math.isfinite(value))
 
 
+# The kinds of constraint a request's output may follow, one per request.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains what a request may generate (vLLM's ``StructuredOutputsParams``):
+    exactly one of ``json`` (a JSON schema, as a dict or its text), ``regex``,
+    ``choice`` (one of these strings), ``grammar`` (EBNF as xgrammar and
+    llama.cpp's GBNF read it: ``root ::= ...``), ``json_object`` (any JSON
+    object) or ``structural_tag`` (xgrammar's structural tag, a dict or its
+    text). ``disable_any_whitespace``: JSON with no whitespace beyond a space
+    after ``,`` and ``:`` (small models may otherwise loop on newlines).
+
+    Plain data, checked for shape here; whether the schema, expression or
+    grammar itself is valid is ``inflight.structured``'s to say, and the engine
+    compiles it."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(STRUCTURED_KINDS)}, got {given or 'none'}")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, dict)):
+                raise ValueError(f"structured_outputs.{name} must be a dict or a JSON string, "
+                                 f"got {type(value).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 "non-empty strings")
+            self.choice = list(self.choice)
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``STRUCTURED_KINDS``."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: the schema or structural tag as JSON, the
+        expression, the grammar, the choices as a JSON list ("" for json_object)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):
+            return json_text.dumps(value, ensure_ascii=False)
+        return "" if value is True else value
+
+
+def structured_outputs_params(value: Any) -> StructuredOutputsParams | None:
+    """``value`` (None, a StructuredOutputsParams or a dict of its fields) as
+    StructuredOutputsParams; ValueError naming what is wrong."""
+    if isinstance(value, dict):
+        known = {f.name for f in fields(StructuredOutputsParams)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown structured_outputs option(s): {', '.join(unknown)}; "
+                             f"known options are {', '.join(sorted(known))}")
+        return StructuredOutputsParams(**value)
+    if value is not None and not isinstance(value, StructuredOutputsParams):
+        raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, "
+                         f"got {type(value).__name__}")
+    return value
+
+
 @dataclass(init=False)
 class SamplingParams:
     """How to pick each next token, and when to stop.
@@ -35,6 +118,9 @@ class SamplingParams:
     ``include_stop_str_in_output`` is set. ``best_of`` > ``n`` generates
     ``best_of`` samples and returns the ``n`` with the highest cumulative
     log-probability (so only once they are all finished, never streamed).
+    ``structured_outputs`` constrains the output to a JSON schema, a regular
+    expression, a choice or a grammar (a ``StructuredOutputsParams`` or a dict
+    of its fields); each of ``n`` samples follows it on its own.
     """
 
     n: int = 1
@@ -57,6 +143,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # False: never draft for this request, when the engine speculates.
     speculative: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __init__(self, **options: Any) -> None:
         known = {f.name: f for f in fields(self)}
@@ -129,6 +216,7 @@ class SamplingParams:
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+        self.structured_outputs = structured_outputs_params(self.structured_outputs)
 
     @staticmethod
     def _string_list(name: str, value: Any) -> list[str]:

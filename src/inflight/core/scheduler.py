@@ -18,7 +18,8 @@ Each ``schedule()`` call plans one forward step under one token budget
    waiting request that outranks a running one may take its place; a running
    request that must ``yield`` to it (background work) gives its place up
    regardless. A request being admitted starts past the longest prefix of its
-   tokens found in the prefix cache.
+   tokens found in the prefix cache. One the engine says is not ``ready`` yet
+   (its grammar is still compiling) is passed over, holding nothing.
 
 Background requests (``core.background``) also share the policy's
 ``background_allowance`` of each step's tokens; one past it waits that step,
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from inflight.core.beam_search import BeamSearch
 from inflight.core.kv_cache_manager import KVCacheManager, cdiv
@@ -96,6 +98,10 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Requests the scheduler itself ended this step (expired deadlines).
     expired: list[Request] = field(default_factory=list)
+    # Structured outputs: the token bitmasks of the rows a grammar constrains,
+    # set by the engine after scheduling (a ``structured.StepBitmask``); None
+    # when no row has one.
+    grammar_bitmask: Any = None
 
     @property
     def total_num_tokens(self) -> int:
@@ -122,7 +128,11 @@ class Scheduler:
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
                  preempt_for_priority: bool = False, drop_expired: bool = False,
-                 max_running_per_tenant: int | None = None) -> None:
+                 max_running_per_tenant: int | None = None,
+                 ready: Callable[[Request], bool] | None = None) -> None:
+        """``ready``: whether a waiting request may be admitted now (None: every
+        one may); one that may not (its grammar still compiling) waits without a
+        slot or blocks, and the requests behind it are admitted past it."""
         if max_model_len > kv_cache.capacity_tokens:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the KV cache capacity "
                              f"({kv_cache.capacity_tokens} tokens)")
@@ -143,6 +153,7 @@ class Scheduler:
         self.preempt_for_priority = preempt_for_priority
         self.drop_expired = drop_expired
         self.max_running_per_tenant = max_running_per_tenant
+        self.ready = ready
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -382,6 +393,8 @@ class Scheduler:
         if not len(self.policy):
             return False
         newcomer = self.policy.peek()
+        if not self._is_ready(newcomer):
+            return False
         if not (self.policy.yields(request, newcomer) or (
                 self.preempt_for_priority and self.policy.precedes(newcomer, request))):
             return False
@@ -410,7 +423,7 @@ class Scheduler:
                 break  # displaced this very step: it waits for the next one
             if held_back and not any(self.policy.precedes(request, r) for r in held_back):
                 break
-            if self._tenant_at_limit(request.tenant):
+            if self._tenant_at_limit(request.tenant) or not self._is_ready(request):
                 deferred.append(self.policy.pop())
                 continue
             limit = self._limit(request, budget)
@@ -499,6 +512,9 @@ class Scheduler:
                     if member in out.requests)
         self._preempt(out, victim, f"outranked by {request.request_id}", now)
         return freed
+
+    def _is_ready(self, request: Request) -> bool:
+        return self.ready is None or self.ready(request)
 
     def _tenant_at_limit(self, tenant: str | None) -> bool:
         limit = self.max_running_per_tenant

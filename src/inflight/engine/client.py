@@ -64,7 +64,8 @@ class EngineClient(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str: ...
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str: ...
 
 
 class TokenizerOps:
@@ -89,5 +90,6 @@ class TokenizerOps:
         return self._tokenizer().decode(token_ids, skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        return self._tokenizer().apply_chat_template(messages, add_generation_prompt)
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        return self._tokenizer().apply_chat_template(messages, add_generation_prompt, tools)

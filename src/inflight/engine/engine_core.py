@@ -11,6 +11,13 @@ The core knows no text: a front end (``engine.llm_engine`` in the same thread,
 (``engine.output``); it tells the core when a sequence met a stop string
 (``finish_sequence``) or a request was given up (``abort_requests``).
 
+Structured outputs are the core's too, as tokens: a ``StructuredOutputManager``
+(``structured/``) compiles each constrained request's grammar in a thread
+while the request waits (the scheduler passes over it, holding nothing),
+trims drafts to what the grammar allows, fills each step's token bitmask for
+the runner and follows the tokens each sequence accepts. Whether a
+constraint is valid at all is the front end's to check, before it is sent.
+
 The core is built from parts: a scheduler (``core/``) and a runner (anything
 that implements ``worker.runner.Runner``: the real model, a stub, a cost
 model); ``engine.factory.build_engine_core`` makes them from an EngineConfig.
@@ -31,9 +38,14 @@ from inflight.engine.messages import (BeamOutput, CoreOutputs, CoreRequest, Engi
                                       ModelInfo, RequestEnded, SequenceOutput, SequenceTiming)
 from inflight.engine.step_stats import StepStats
 from inflight.spec_decode.speculator import Speculator
+from inflight.structured import StructuredOutputManager
 from inflight.worker.runner import Runner, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to compute waits for a grammar being compiled
+# (the loop takes new requests in between, so keep it short).
+GRAMMAR_WAIT_SECONDS = 0.005
 
 
 @dataclass
@@ -57,12 +69,17 @@ class _Sequence:
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, *, model: ModelInfo,
                  eos_token_ids: frozenset[int] = frozenset(), clock: Clock = time.time,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None,
+                 structured: StructuredOutputManager | None = None) -> None:
         """The parts must agree: the scheduler's KV manager holds the runner's
         ``num_kv_blocks``, and both use ``model.max_model_len``. A
-        ``speculator`` drafts tokens for decoding requests before each step."""
+        ``speculator`` drafts tokens for decoding requests before each step;
+        ``structured`` serves requests with ``structured_outputs`` (the
+        scheduler's ``ready`` must be its ``is_ready``; None: they are
+        refused)."""
         self.scheduler = scheduler
         self.speculator = speculator
+        self.structured = structured
         self.runner = runner
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -98,6 +115,9 @@ class EngineCore:
         rid = request.request_id
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use")
+        if request.params.structured_outputs is not None and self.structured is None:
+            raise ValueError("structured_outputs need the model's tokenizer "
+                             "(skip_tokenizer_init is set)")
         scheduling = (request.arrival_time, request.priority, request.tenant, request.deadline,
                       request.expected_output_tokens, request.cache_salt, request.background)
         ids = request.sequence_ids
@@ -105,6 +125,8 @@ class EngineCore:
             leader = self._beam_leader(rid, ids[0], request, scheduling)
             self.scheduler.add_request(leader)
             self._requests[rid] = _Tracked(ids, leader.beam, leader)
+            if self.structured is not None:
+                self.structured.add(leader)
             return
         params = request.sampling
         ranked = params.num_samples > params.n  # best_of: each sample's log-probabilities
@@ -119,6 +141,8 @@ class EngineCore:
             sequences.append(Request(seq_id, request.prompt_token_ids, seq_params,
                                      request.max_tokens, self.eos_token_ids, *scheduling))
         self.scheduler.add_request(sequences[0], sequences[1:])
+        if self.structured is not None:
+            self.structured.add(sequences[0])
         self._requests[rid] = _Tracked(ids, live=len(ids))
         for seq_id in ids:
             self._sequences[seq_id] = _Sequence(rid)
@@ -129,7 +153,8 @@ class EngineCore:
         as many top log-probabilities as the search looks at per step."""
         params: BeamSearchParams = request.beam
         leader_params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens,
-                                       ignore_eos=params.ignore_eos, speculative=False)
+                                       ignore_eos=params.ignore_eos, speculative=False,
+                                       structured_outputs=params.structured_outputs)
         leader = Request(leader_id, request.prompt_token_ids, leader_params, request.max_tokens,
                          self.eos_token_ids, *scheduling)
         search = BeamSearch(request_id, params, request.max_tokens, leader.stop_token_ids)
@@ -156,6 +181,8 @@ class EngineCore:
                 ids = [s for s in tracked.sequence_ids
                    if self._sequences.pop(s, None) is not None]
             ended += len(self.scheduler.finish_requests(ids, FinishReason.ABORT))
+            if self.structured is not None:
+                self.structured.forget(ids)
         return ended
 
     def finish_sequence(self, sequence_id: str, stop: str) -> None:
@@ -166,6 +193,8 @@ class EngineCore:
             return
         for request in self.scheduler.finish_requests(sequence_id, FinishReason.STOP):
             request.stop_reason = stop
+        if self.structured is not None:
+            self.structured.forget([sequence_id])
         self._sequence_done(seq.request_id)
 
     def _sequence_done(self, request_id: str) -> None:
@@ -234,14 +263,25 @@ class EngineCore:
         start = time.perf_counter()
         kv = self.kv_cache
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        ended, self._ended = self._ended, []
+        failed: list[Request] = []
+        structured = self.structured
+        if structured is not None:  # grammars that failed to compile
+            for request, message in structured.pop_failed():
+                failed += self._fail(request, message, ended)
         propose_seconds = (self.speculator.propose(self.scheduler.running)
                            if self.speculator is not None else 0.0)
+        if structured is not None:
+            structured.trim_drafts(self.scheduler.running)
         out = self.scheduler.schedule()
         if self.speculator is not None:
             self.speculator.forget(out.finished_request_ids)
+        if structured is not None:
+            structured.forget(out.finished_request_ids)
         self.runner.move_blocks(out)
-        ended, self._ended = self._ended, []
         if not out.requests:
+            if structured is not None:
+                structured.wait(GRAMMAR_WAIT_SECONDS)
             # Nothing to compute; preemptions (all of the batch gave way) still count.
             stats = StepStats(num_waiting=self.scheduler.num_waiting,
                               num_running=self.scheduler.num_running,
@@ -249,10 +289,10 @@ class EngineCore:
                               preempted_ids=list(out.preempted_request_ids),
                               kv_cache_usage=kv.usage)
             searches = self._ended_searches()
-            self._record_finished(stats, out.expired, searches)
+            self._record_finished(stats, [*out.expired, *failed], searches)
             stats.end_time = self.clock()
             self.last_step = stats
-            return CoreOutputs(self._outputs([], {}, out.expired),
+            return CoreOutputs(self._outputs([], {}, [*out.expired, *failed]),
                                self._beam_outputs(searches), ended, stats, self.load())
         live = [(r, n) for r, n in zip(out.requests, out.num_new_tokens) if not r.padding]
         computed_before = [r.num_computed_tokens for r, _ in live]
@@ -261,6 +301,8 @@ class EngineCore:
         live_ids = [r.request_id for r, _ in live]
         padding_ids = [r.request_id for r in out.requests if r.padding]
         last_token_times = {r.request_id: r.last_token_time for r in out.requests}
+        if structured is not None:
+            out.grammar_bitmask = structured.bitmask(out)
         result = self.runner.execute(out)
         generated = self.scheduler.stats.num_generated_tokens
         beam_rows = {row: list(zip(lps[0].top_token_ids, lps[0].top_logprobs))
@@ -269,9 +311,13 @@ class EngineCore:
         updated = self.scheduler.update_from_output(out, result.new_token_ids, beam_rows)
         logprobs = {out.requests[row].request_id: lp for row, lp in result.logprobs.items()
                     if row not in beam_rows}
-        failed: list[Request] = []
-        for row, message in result.errors.items():
-            failed += self._fail(out.requests[row], message, ended)
+        errors = [(out.requests[row], message) for row, message in result.errors.items()]
+        if structured is not None:  # tokens a grammar refused (a fault: the mask allows none)
+            errors += [(self.scheduler.requests[rid], message)
+                       for rid, message in structured.advance(out).items()
+                       if rid in self.scheduler.requests]
+        for sequence, message in errors:
+            failed += self._fail(sequence, message, ended)
         searches = self._ended_searches()
         stats = StepStats(
             num_requests=len(live_ids), num_padding=len(padding_ids),
@@ -319,6 +365,8 @@ class EngineCore:
             return []
         ids = [s for s in self._requests[rid].sequence_ids if s in self._sequences]
         ended.append(RequestEnded(rid, "failed", message))
+        if self.structured is not None:
+            self.structured.forget(ids)
         return self.scheduler.finish_requests(ids, FinishReason.ERROR)
 
     def _outputs(self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]],

@@ -1,12 +1,15 @@
 """Builds an EngineCore from an EngineConfig: the model facts, the runner (the
 real one unless another is passed in), the KV cache manager sized by the
-runner, the scheduler and its policy; and, for one thread, an LLMEngine: the
-core with a front end (tokenizer, input and output processing)."""
+runner, the scheduler and its policy, the structured outputs manager (with a
+tokenizer: grammars are compiled for its vocabulary); and, for one thread, an
+LLMEngine: the core with a front end (tokenizer, input and output
+processing)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ from inflight.config import EngineConfig
 from inflight.core.background import BackgroundTier
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.policy import PolicyConfig, make_policy
+from inflight.core.request import Request
 from inflight.core.scheduler import Clock, Scheduler
 from inflight.core.static_scheduler import StaticBatchScheduler
 from inflight.engine.engine_core import EngineCore
@@ -23,6 +27,7 @@ from inflight.engine.messages import ModelInfo
 from inflight.model.tokenizer import Tokenizer
 from inflight.spec_decode.config import SpeculativeConfig
 from inflight.spec_decode.speculator import Speculator
+from inflight.structured import build_manager
 from inflight.worker.runner import Runner
 
 logger = logging.getLogger(__name__)
@@ -60,24 +65,26 @@ def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
 
     start = time.perf_counter()
     source = model_source(config) if source is None else source
-    model_config, eos = source.model_config, source.eos_token_ids
+    model_config, eos, tokenizer = source.model_config, source.eos_token_ids, source.tokenizer
     if runner is None:
         from inflight.worker.load import load_runner  # torch: only for the real runner
 
         stub_token = None
         if model_stub:
-            tokenizer = source.tokenizer
             special = eos | (tokenizer.special_token_ids if tokenizer else frozenset())
             stub_token = next(t for t in range(model_config.vocab_size) if t not in special)
         runner = load_runner(config, source.model_dir, model_config, stub_token_id=stub_token)
-    scheduler = build_scheduler(config, runner, clock)
+    structured = (None if tokenizer is None
+                  else build_manager(tokenizer, model_config.vocab_size, eos))
+    scheduler = build_scheduler(config, runner, clock,
+                                ready=None if structured is None else structured.is_ready)
     info = ModelInfo(name=model_display_name(config.model), max_model_len=runner.max_model_len,
                      vocab_size=model_config.vocab_size)
     speculator = None
     if config.speculative_config is not None:
         speculator = Speculator(SpeculativeConfig.parse(config.speculative_config))
     core = EngineCore(scheduler, runner, model=info, eos_token_ids=eos, clock=clock,
-                      speculator=speculator)
+                      speculator=speculator, structured=structured)
     core.load_seconds = time.perf_counter() - start
     logger.info("loaded %s in %.1f s", info.name, core.load_seconds)
     return core
@@ -93,9 +100,11 @@ def build_llm_engine(config: EngineConfig, *, model_stub: bool = False,
     return LLMEngine(core, source.tokenizer, clock)
 
 
-def build_scheduler(config: EngineConfig, runner: Runner, clock: Clock) -> Scheduler:
+def build_scheduler(config: EngineConfig, runner: Runner, clock: Clock,
+                    ready: Callable[[Request], bool] | None = None) -> Scheduler:
     """The scheduler, its policy and a KV cache manager over the runner's blocks
-    (shared by the engine and the simulator)."""
+    (shared by the engine and the simulator); ``ready``: the scheduler's
+    predicate of waiting requests that may be admitted."""
     kv_cache = KVCacheManager(runner.num_kv_blocks, config.block_size, runner.num_host_blocks,
                               enable_caching=config.enable_prefix_caching)
     scheduler_class = StaticBatchScheduler if config.scheduling == "static" else Scheduler
@@ -114,4 +123,5 @@ def build_scheduler(config: EngineConfig, runner: Runner, clock: Clock) -> Sched
         preemption_mode=config.preemption_mode,
         preempt_for_priority=config.preempt_for_priority,
         drop_expired=config.drop_expired,
-        max_running_per_tenant=config.max_running_per_tenant)
+        max_running_per_tenant=config.max_running_per_tenant,
+        ready=ready)

@@ -16,6 +16,7 @@ from inflight.core.scheduler import Clock
 from inflight.engine.messages import CoreRequest, ModelInfo
 from inflight.engine.output import OutputKind
 from inflight.model.tokenizer import Tokenizer
+from inflight.structured import validate
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -98,6 +99,11 @@ class InputProcessor:
                              f"got {type(params).__name__}")
         if not beam and params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer (skip_tokenizer_init is "
+                                 "set)")
+            validate(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
         max_model_len = self.model.max_model_len
         if len(ids) > max_model_len:

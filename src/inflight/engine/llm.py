@@ -106,16 +106,18 @@ class LLM:
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``
-        messages) or to a list of conversations, using the model's chat template."""
+        messages) or to a list of conversations, using the model's chat template
+        (which also renders OpenAI-style ``tools``)."""
         tokenizer = self.get_tokenizer()
         if not messages:
             raise ValueError("messages must contain at least one message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt)
+            text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt, tools)
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -50,7 +50,16 @@ class Tokenizer:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its definition (a Ray ingress gets its replicas' tokenizer)."""
-        return (_rebuild, (self._tok.to_str(), self.chat_template, self.special_tokens))
+        return (_rebuild, (self.definition(), self.chat_template, self.special_tokens))
+
+    def definition(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text."""
+        return self._tok.to_str()
+
+    def vocabulary(self) -> dict[str, int]:
+        """Every token as the vocabulary spells it (byte-level BPE: bytes mapped
+        to printable characters), added tokens included -> its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
@@ -104,15 +113,18 @@ class Tokenizer:
         return stream.step(self._tok, token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """Render a conversation to the prompt text the model was trained on."""
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render a conversation to the prompt text the model was trained on;
+        ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``) go to
+        the template as Hugging Face passes them."""
         if self._template is None:
             raise ValueError("this model has no chat template")
         normalized = [normalize_chat_message(m, i) for i, m in enumerate(messages)]
         if not normalized:
             raise ValueError("messages must contain at least one message")
         try:
-            return self._template.render(messages=normalized,
+            return self._template.render(messages=normalized, tools=tools,
                                          add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:
@@ -124,8 +136,11 @@ def _rebuild(definition: str, chat_template: str | None,
     return Tokenizer(HFTokenizer.from_str(definition), chat_template, special_tokens)
 
 
-def normalize_chat_message(message: Any, index: int = 0) -> dict[str, str]:
-    """Check one chat message and flatten OpenAI-style content parts to text."""
+def normalize_chat_message(message: Any, index: int = 0) -> dict[str, Any]:
+    """Check one chat message and flatten OpenAI-style content parts to text.
+    An assistant's ``tool_calls`` are kept with their arguments as objects (as
+    templates render them: ``arguments | tojson``), and ``name`` and a tool
+    answer's ``tool_call_id`` are kept."""
     if not isinstance(message, dict):
         raise ValueError(f"messages[{index}] must be an object with 'role' and 'content'")
     role, content = message.get("role"), message.get("content")
@@ -145,4 +160,26 @@ def normalize_chat_message(message: Any, index: int = 0) -> dict[str, str]:
         content = ""
     if not isinstance(content, str):
         raise ValueError(f"messages[{index}].content must be a string or a list of text parts")
-    return {"role": role, "content": content}
+    normalized: dict[str, Any] = {"role": role, "content": content}
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None:
+            normalized[key] = message[key]
+    if message.get("tool_calls"):
+        normalized["tool_calls"] = [_tool_call(call, index) for call in message["tool_calls"]]
+    return normalized
+
+
+def _tool_call(call: Any, index: int) -> dict[str, Any]:
+    """An assistant message's call, its JSON arguments parsed."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"messages[{index}].tool_calls must be "
+                         "{'id', 'type': 'function', 'function': {'name', 'arguments'}}")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ValueError(f"messages[{index}].tool_calls: arguments of "
+                             f"{function['name']!r} are not JSON") from None
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -34,6 +34,7 @@ from inflight.ray.replica import EngineReplica, ReplicaOptions
 from inflight.ray.router import InflightRequestRouter
 from inflight.ray.routing import RouterConfig
 from inflight.server.app import build_app as build_openai_app
+from inflight.server.openai_serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class DeploymentOptions:
     replica_cpus: float = 1.0
     replica_gpus: float = 0.0
     api_key: str | None = None
+    # Tool calling on the ingress (as ``inflight serve``'s options).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
     routing_stats_period_s: float = 1.0
     # Autoscaling (see inflight.ray.autoscaling).
     target_waiting_per_replica: float = 2.0
@@ -107,12 +111,15 @@ class OpenAIIngress:
     """The HTTP front: OpenAI routes over the engine deployment's handle."""
 
     async def __init__(self, engine: DeploymentHandle, model_name: str, policy: str,
-                     api_key: str | None) -> None:
+                     api_key: str | None, tool_call_parser: str | None = None,
+                     enable_auto_tool_choice: bool = False) -> None:
         description = await engine.describe.remote()
         self.client = RayEngineClient(engine, description)
+        serving = OpenAIServing(self.client, model_name, tool_call_parser=tool_call_parser,
+                                enable_auto_tool_choice=enable_auto_tool_choice)
         self.openai_app = build_openai_app(self.client, model_name=model_name,
                                     metrics=DeploymentMetrics(self.client, policy),
-                                    api_key=api_key)
+                                    api_key=api_key, serving=serving)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.openai_app
@@ -149,7 +156,8 @@ def build_app(config: EngineConfig | None = None, deployment: DeploymentOptions 
         ray_actor_options={"num_cpus": 0})
     name = replica.served_model_name or model_display_name(config.model)
     return ingress.bind(engines.bind(config, replica), name, deployment.router,
-                        deployment.api_key)
+                        deployment.api_key, deployment.tool_call_parser,
+                        deployment.enable_auto_tool_choice)
 
 
 def app_builder(args: dict[str, Any]) -> Any:

@@ -49,11 +49,13 @@ class MetricsSource(Protocol):
 
 def build_app(engine: EngineClient, *, model_name: str, metrics: MetricsSource,
               api_key: str | None = None, batches: BatchService | None = None,
-              on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+              on_shutdown: Callable[[], None] | None = None,
+              serving: OpenAIServing | None = None) -> FastAPI:
     """``batches``: serve /v1/files and /v1/batches from it (its feeder runs
     while the app does); ``on_shutdown`` runs (in a thread) once the app has
-    stopped serving: after a graceful shutdown's requests have finished."""
-    serving = OpenAIServing(engine, model_name)
+    stopped serving: after a graceful shutdown's requests have finished;
+    ``serving``: the endpoints' options (tool calling), default ones otherwise."""
+    serving = serving or OpenAIServing(engine, model_name)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from inflight.server.errors import APIError, to_api_error
-from inflight.server.openai_serving import InvalidRequest, check_body
+from inflight.server.invalid_request import InvalidRequest
+from inflight.server.openai_serving import check_body
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse
 
 from inflight.engine.async_engine import (EngineDeadError, QueueFullError, QueueTimeoutError,
                                           RequestAbortedError, RequestFailedError)
-from inflight.server.openai_serving import InvalidRequest, error_json
+from inflight.server.invalid_request import InvalidRequest
+from inflight.server.openai_serving import error_json
 
 logger = logging.getLogger(__name__)
 

@@ -64,13 +64,15 @@ def make_server(config: EngineConfig, *, api_key: str | None = None,
                 max_waiting_per_tenant: int | None = None,
                 max_queue_wait: float | None = None, data_dir: Path | str | None = None,
                 batch_max_in_flight: int | None = None, on_dead: Any = None,
-                in_process: bool = False) -> tuple[AsyncEngine, FastAPI]:
+                in_process: bool = False, tool_call_parser: str | None = None,
+                enable_auto_tool_choice: bool = False) -> tuple[AsyncEngine, FastAPI]:
     """The running engine and its app (tests serve the app themselves); the
     app's shutdown stops the engine. ``data_dir``: serve the Batch API,
     keeping its jobs and files there (``batch_max_in_flight`` lines in the
     engine at once; by default ``max_num_seqs``). ``on_dead`` is called if
     the engine dies; ``in_process`` runs its core in a thread of this
-    process instead of a process of its own."""
+    process instead of a process of its own. ``tool_call_parser`` reads the
+    calls of ``tool_choice: "auto"``, allowed with ``enable_auto_tool_choice``."""
     name = served_model_name or model_display_name(config.model)
     metrics = EngineMetrics(name)
     engine = AsyncEngine(config, max_waiting_requests=max_waiting_requests,
@@ -79,14 +81,16 @@ def make_server(config: EngineConfig, *, api_key: str | None = None,
                          on_abort=metrics.on_abort, on_dead=on_dead, in_process=in_process)
     metrics.watch(engine.load)
     batches = None
-    if data_dir is not None:
-        try:
-            batches = BatchService(Path(data_dir), batch_executor(OpenAIServing(engine, name)),
+    try:
+        serving = OpenAIServing(engine, name, tool_call_parser=tool_call_parser,
+                                enable_auto_tool_choice=enable_auto_tool_choice)
+        if data_dir is not None:
+            batches = BatchService(Path(data_dir), batch_executor(serving),
                                    max_in_flight=batch_max_in_flight or config.max_num_seqs)
-        except BaseException:
-            engine.shutdown()
-            raise
-        logger.info("batch jobs in %s", data_dir)
+            logger.info("batch jobs in %s", data_dir)
+    except BaseException:
+        engine.shutdown()
+        raise
     logger.info("serving %s", name)
     return engine, build_app(engine, model_name=name, metrics=metrics, api_key=api_key,
-                             batches=batches, on_shutdown=engine.shutdown)
+                             batches=batches, on_shutdown=engine.shutdown, serving=serving)

@@ -1,7 +1,8 @@
 """The two generation endpoints: OpenAI request -> engine requests -> OpenAI
 response, whole or as server-sent events. Everything goes through the
 EngineClient: a whole response waits for the one final output of each engine
-request; a stream relays the deltas."""
+request; a stream relays the deltas. A request's structured outputs and tools
+are read by ``constraints``; tool calls in the output by ``tool_parsers``."""
 
 from __future__ import annotations
 
@@ -12,18 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.core.beam_search import BeamSearchParams
-from inflight.core.sampling_params import SamplingParams
+from inflight.core.sampling_params import SamplingParams, StructuredOutputsParams
 from inflight.engine.client import EngineClient
 from inflight.engine.output import CompletionOutput, Logprob, RequestOutput
 from inflight.server import protocol as p
+from inflight.server.constraints import ToolPlan, structured_outputs, tool_plan
+from inflight.server.invalid_request import InvalidRequest
+from inflight.server.tool_parsers import TOOL_PARSERS, ToolCallDelta, ToolCallStream, extract
 
-
-class InvalidRequest(ValueError):
-    """A request the API refuses: 400, naming the offending parameter."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+# OpenAI's bodies cannot hold -inf: a token a grammar forbids reports this.
+MIN_LOGPROB = -9999.0
 
 
 # Deepest nesting of arrays and objects a request body may have (OpenAI's
@@ -63,14 +62,16 @@ def check_body(body: Any) -> None:
 
 
 def sampling_params(req: p.CompletionRequest | p.ChatCompletionRequest, *, max_tokens: int | None,
-                    logprobs: int | None, best_of: int | None = None) -> SamplingParams:
+                    logprobs: int | None, best_of: int | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported", "logit_bias")
     options: dict[str, Any] = dict(
         n=req.n, best_of=best_of, max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=logprobs,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, speculative=req.speculative)
+        skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
+        structured_outputs=structured)
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
                  "min_p", "repetition_penalty"):
         value = getattr(req, name)
@@ -124,10 +125,11 @@ class _Choice:
         return delta
 
 
-def beam_search_params(req: p.CompletionRequest, max_tokens: int) -> BeamSearchParams:
+def beam_search_params(req: p.CompletionRequest, max_tokens: int,
+                       structured: StructuredOutputsParams | None) -> BeamSearchParams:
     """A completion's beam search: width ``beam_width`` (else ``n``), of which
-    the best ``n`` are returned. Options that beam search would ignore are
-    refused rather than dropped."""
+    the best ``n`` are returned; every beam follows ``structured``. Options
+    that beam search would ignore are refused rather than dropped."""
     if req.stream:
         raise InvalidRequest("beam search cannot be streamed", "stream")
     width = req.n if req.beam_width is None else req.beam_width
@@ -143,7 +145,8 @@ def beam_search_params(req: p.CompletionRequest, max_tokens: int) -> BeamSearchP
                              "temperature")
     try:
         return BeamSearchParams(beam_width=width, max_tokens=max_tokens,
-                                ignore_eos=req.ignore_eos, length_penalty=req.length_penalty)
+                                ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
+                                structured_outputs=structured)
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
 
@@ -230,9 +233,20 @@ def _history(outputs: list[RequestOutput]) -> dict[str, Any]:
 
 
 class OpenAIServing:
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, *,
+                 tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False) -> None:
+        """``tool_call_parser`` (a name of ``tool_parsers.TOOL_PARSERS``) reads
+        the calls of ``tool_choice: "auto"``, which needs
+        ``enable_auto_tool_choice`` (vLLM's options)."""
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
+                             f"got {tool_call_parser!r}")
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         self.engine = engine
         self.model_name = model_name
+        self.auto_tool_parser = tool_call_parser if enable_auto_tool_choice else None
 
     @property
     def max_model_len(self) -> int:
@@ -272,12 +286,13 @@ class OpenAIServing:
             check_context(len(prompts[-1]["prompt_token_ids"]), req.max_tokens,
                           self.max_model_len, "max_tokens")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        structured = structured_outputs(req)
         if req.use_beam_search:
-            return prompts, beam_search_params(req, max_tokens)
+            return prompts, beam_search_params(req, max_tokens, structured)
         if req.beam_width is not None:
             raise InvalidRequest("beam_width needs use_beam_search", "beam_width")
         return prompts, sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                        best_of=req.best_of)
+                                        best_of=req.best_of, structured=structured)
 
     async def completion(self, req: p.CompletionRequest, request_id: str,
                          background: bool = False) -> p.CompletionResponse:
@@ -350,19 +365,24 @@ class OpenAIServing:
         return self.engine.decode(out.prompt_token_ids) if self.engine.has_tokenizer else ""
 
     # --------------------------------------------------------------- chat
-    def chat_inputs(self, req: p.ChatCompletionRequest) -> tuple[dict[str, Any], SamplingParams]:
-        if req.tools:
-            raise InvalidRequest("tools are not supported", "tools")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise InvalidRequest(f"response_format {req.response_format.type!r} is not supported",
-                                 "response_format")
+    def chat_inputs(self, req: p.ChatCompletionRequest
+                    ) -> tuple[dict[str, Any], SamplingParams, ToolPlan]:
+        """The prompt, sampling parameters and tool plan of a chat request."""
         if not self.engine.has_tokenizer:
             raise InvalidRequest("this server has no tokenizer for chat", "messages")
+        plan = tool_plan(req, self.auto_tool_parser)
+        structured = structured_outputs(req)
+        if plan.structured is not None:
+            if structured is not None:
+                raise InvalidRequest(f"tool_choice {req.tool_choice!r} is enforced by a "
+                                     "grammar of its own: drop response_format, "
+                                     "structured_outputs and guided_*", "tool_choice")
+            structured = plan.structured
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         for m in messages:
             if isinstance(m.get("content"), list):
                 m["content"] = "".join(part["text"] for part in m["content"])
-        text = self.engine.apply_chat_template(messages, req.add_generation_prompt)
+        text = self.engine.apply_chat_template(messages, req.add_generation_prompt, plan.tools)
         prompt = {"prompt": text, "prompt_token_ids": self.engine.encode(text, False)}
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
@@ -370,11 +390,12 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens or req.max_tokens
         check_context(len(prompt["prompt_token_ids"]), max_tokens, self.max_model_len,
                       "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-        return prompt, sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+        return prompt, sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                       structured=structured), plan
 
     async def chat(self, req: p.ChatCompletionRequest, request_id: str,
                    background: bool = False) -> p.ChatCompletionResponse:
-        prompt, params = await asyncio.to_thread(self.chat_inputs, req)
+        prompt, params, plan = await asyncio.to_thread(self.chat_inputs, req)
         final = None
         async with aclosing(self.engine.generate(prompt, params, request_id=request_id,
                                                  stream=False,
@@ -382,19 +403,22 @@ class OpenAIServing:
             async for out in outputs:
                 final = out
         assert final is not None and final.finished
-        choices = [p.ChatChoice(index=c.index, message=p.ChatMessageOut(content=c.text),
-                                finish_reason=c.finish_reason,
-                                logprobs=_chat_logprobs(c.token_ids, c.logprobs or [],
-                                                        req.top_logprobs or 0)
-                                if req.logprobs else None)
-                   for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = _chat_message(c, plan)
+            choices.append(p.ChatChoice(index=c.index, message=message,
+                                        finish_reason=finish_reason,
+                                        logprobs=_chat_logprobs(c.token_ids, c.logprobs or [],
+                                                                req.top_logprobs or 0)
+                                        if req.logprobs else None))
         return p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                         usage=_usage([final]), inflight=_history([final]))
 
     async def chat_stream(self, req: p.ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
-        prompt, params = await asyncio.to_thread(self.chat_inputs, req)
+        prompt, params, plan = await asyncio.to_thread(self.chat_inputs, req)
         created = p.now()
         states = [_Choice(i) for i in range(req.n)]
+        calls = [_StreamedCalls(plan) for _ in range(req.n)] if plan.parser else None
         final = None
         usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -418,10 +442,14 @@ class OpenAIServing:
                     logprobs = (_chat_logprobs(delta.token_ids, delta.logprobs,
                                                req.top_logprobs or 0)
                                 if req.logprobs else None)
-                    parts.append(p.ChatStreamChoice(index=c.index,
-                                                    delta=p.ChatDelta(content=delta.text),
+                    message, finish_reason = p.ChatDelta(content=delta.text), delta.finish_reason
+                    if calls is not None:
+                        message, finish_reason = calls[c.index].advance(delta)
+                        if message is None and logprobs is None and finish_reason is None:
+                            continue
+                    parts.append(p.ChatStreamChoice(index=c.index, delta=message or p.ChatDelta(),
                                                     logprobs=logprobs,
-                                                    finish_reason=delta.finish_reason))
+                                                    finish_reason=finish_reason))
                 # The history goes with the last chunk: this one, unless usage follows.
                 last = out.finished and not usage_chunk
                 if parts or last:
@@ -432,6 +460,46 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
 
+def _chat_message(c: CompletionOutput, plan: ToolPlan) -> tuple[p.ChatMessageOut, str | None]:
+    """A finished choice as an assistant message (its tool calls read by the
+    plan's parser), and its finish reason ("tool_calls" when it made some)."""
+    if plan.parser is None:
+        return p.ChatMessageOut(content=c.text), c.finish_reason
+    content, calls = extract(plan.parser, c.text, plan.max_calls)
+    tool_calls = [p.ToolCallOut(id=call.id, function=p.FunctionCallOut(
+        name=call.name, arguments=call.arguments)) for call in calls]
+    reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+    return p.ChatMessageOut(content=content, tool_calls=tool_calls), reason
+
+
+class _StreamedCalls:
+    """One streamed choice's text, read for tool calls as it grows."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.stream = ToolCallStream(plan.parser, plan.max_calls)
+        self.text = ""
+
+    def advance(self, delta: _Delta) -> tuple[p.ChatDelta | None, str | None]:
+        """The chunk's message (None when there is nothing to send yet) and
+        finish reason."""
+        self.text += delta.text
+        finished = delta.finish_reason is not None
+        content, pieces = self.stream.feed(self.text, finished)
+        reason = delta.finish_reason
+        if finished and self.stream.calls and reason == "stop":
+            reason = "tool_calls"
+        if not content and not pieces:
+            return None, reason
+        return p.ChatDelta(content=content or None,
+                           tool_calls=[_call_delta(piece) for piece in pieces] or None), reason
+
+
+def _call_delta(piece: ToolCallDelta) -> p.ToolCallDeltaOut:
+    return p.ToolCallDeltaOut(
+        index=piece.index, id=piece.id, type="function" if piece.id else None,
+        function=p.FunctionCallDelta(name=piece.name, arguments=piece.arguments))
+
+
 def _completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
                          text_offset: int, top_n: int) -> p.CompletionLogprobs:
     result = p.CompletionLogprobs()
@@ -440,11 +508,11 @@ def _completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]]
         chosen = entry[token_id]
         token = chosen.decoded_token or ""
         result.tokens.append(token)
-        result.token_logprobs.append(chosen.logprob)
+        result.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB))
         result.text_offset.append(offset)
         offset += len(token)
         result.top_logprobs.append({
-            (lp.decoded_token or ""): lp.logprob
+            (lp.decoded_token or ""): max(lp.logprob, MIN_LOGPROB)
             for lp in sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]})
     return result
 
@@ -462,7 +530,8 @@ def _chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
 
 def _token_fields(lp: Logprob) -> dict[str, Any]:
     token = lp.decoded_token or ""
-    return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+    return {"token": token, "logprob": max(lp.logprob, MIN_LOGPROB),
+            "bytes": list(token.encode("utf-8"))}
 
 
 def _usage(outputs: list[RequestOutput], completion_tokens: int | None = None) -> p.Usage:

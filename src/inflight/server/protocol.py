@@ -2,8 +2,10 @@
 
 Requests accept OpenAI's fields plus documented extensions (``priority``,
 ``deadline_ms``, ``expected_output_tokens``, ``cache_salt``, ``ignore_eos``,
-``min_tokens``, ``top_k``, ``min_p``, ``repetition_penalty``, ``speculative``, and
-``use_beam_search`` with ``beam_width`` and ``length_penalty`` on completions);
+``min_tokens``, ``top_k``, ``min_p``, ``repetition_penalty``, ``speculative``,
+``use_beam_search`` with ``beam_width`` and ``length_penalty`` on completions,
+and vLLM's structured outputs: ``structured_outputs`` and the older
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``);
 unknown fields are refused, as OpenAI does, rather than silently ignored.
 """
 
@@ -27,6 +29,37 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    # (``schema`` would shadow a pydantic attribute)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``, and vLLM's ``structural_tag`` (xgrammar's
+    ``format``, or the older ``structures`` and ``triggers``)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[StrictStr] | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (``core.sampling_params.StructuredOutputsParams``)."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    structural_tag: dict[str, Any] | StrictStr | None = None
+    disable_any_whitespace: StrictBool = False
 
 
 class _SamplingFields(_Strict):
@@ -59,6 +92,12 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     speculative: StrictBool = True  # False: no draft tokens for this request
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -79,15 +118,46 @@ class TextContentPart(_Strict):
     text: StrictStr
 
 
+class FunctionCall(_Strict):
+    name: StrictStr
+    arguments: StrictStr  # JSON text
+
+
+class ToolCallIn(_Strict):
+    """A call in an assistant message of the conversation."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: StrictStr | None = None       # a tool's answer: to which call
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+class FunctionDefinition(_Strict):
+    name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: StrictBool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -95,10 +165,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: StrictBool | None = None
+    tools: list[Tool] | None = None
+    # Default: "auto" with tools, else "none".
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     add_generation_prompt: StrictBool = True
 
 
@@ -185,9 +255,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -207,9 +289,25 @@ class ChatCompletionResponse(BaseModel):
     inflight: dict[str, Any] | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(BaseModel):
+    """A piece of a streamed call: the first has ``id``, ``type`` and the
+    function's name; the rest carry pieces of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatStreamChoice(BaseModel):

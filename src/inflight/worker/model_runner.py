@@ -135,15 +135,19 @@ class ModelRunner:
     @staticmethod
     def _sampling_rows(out: SchedulerOutput, sample_rows: list[int]) -> list[SamplingRow]:
         """One row per sampled position: a request's next token, or each
-        position of its verified run, with the drafts before it as context."""
+        position of its verified run, with the drafts before it as context
+        (and the grammar bitmask row of each, for a constrained request)."""
         rows = []
+        grammar_rows = {} if out.grammar_bitmask is None else out.grammar_bitmask.rows
         for i in sample_rows:
             request = out.requests[i]
             params = request.sampling_params
             drafts = out.draft_token_ids[i]
             outputs = request.output_token_ids
+            first_mask = grammar_rows.get(i)
             for j in range(len(drafts) + 1):
-                row = SamplingRow(params, position=request.num_tokens + j)
+                row = SamplingRow(params, position=request.num_tokens + j,
+                                  bitmask_row=None if first_mask is None else first_mask + j)
                 if row.has_penalties:
                     row.prompt_token_ids = request.prompt_token_ids
                     row.output_token_ids = outputs + drafts[:j] if j else outputs
@@ -181,7 +185,8 @@ class ModelRunner:
         logprobs: dict[int, list[TokenLogprobs]] = {}
         errors: dict[int, str] = {}
         if sample_rows:
-            result = self.sampler.sample(logits, self._sampling_rows(out, sample_rows))
+            bitmask = None if out.grammar_bitmask is None else out.grammar_bitmask.bitmask
+            result = self.sampler.sample(logits, self._sampling_rows(out, sample_rows), bitmask)
             k = 0
             for row in sample_rows:
                 drafts = out.draft_token_ids[row]

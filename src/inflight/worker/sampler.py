@@ -6,7 +6,9 @@ Random rows are drawn with the exponential race (``argmax(p / E)`` with
 each position from a generator seeded by (seed, position), so its samples
 depend neither on what else is in the batch nor on how its tokens were
 computed (preemption, speculation). Log-probabilities are those of the
-model's raw distribution.
+model's raw distribution (before temperature, filters and penalties); for a
+row a grammar constrains, of that distribution under the grammar's mask
+(renormalized over the tokens it allows), as vLLM reports them.
 
 A row whose logits are not all finite (a numerical fault) samples nothing:
 the sampler reports it, and the engine ends that request with an error while
@@ -22,6 +24,7 @@ import torch
 
 from inflight.core.sampling_params import SamplingParams
 from inflight.worker.runner import TokenLogprobs
+from inflight.worker.token_bitmask import apply_token_bitmask
 
 
 @dataclass
@@ -34,6 +37,8 @@ class SamplingRow:
     output_token_ids: list[int] | None = None
     # Token ids that may not be sampled yet (stop tokens before min_tokens).
     banned_token_ids: frozenset[int] | None = None
+    # The row of the step's grammar bitmask that constrains this one, if any.
+    bitmask_row: int | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -55,16 +60,23 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Sample one token per row of ``logits`` ``[S, V]`` (modified in place)."""
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               bitmask: np.ndarray | None = None) -> SamplerOutput:
+        """Sample one token per row of ``logits`` ``[S, V]`` (modified in place);
+        rows with a ``bitmask_row`` sample only what that row of ``bitmask``
+        allows."""
         logits = logits.float()
         errors = self._non_finite_rows(logits)
+        constrained = [i for i, r in enumerate(rows) if r.bitmask_row is not None]
+        if constrained:
+            apply_token_bitmask(logits, constrained,
+                                bitmask[[rows[i].bitmask_row for i in constrained]])
         want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in want_logprobs) else None)
         for i, row in enumerate(rows):
             if row.banned_token_ids:
-                logits[i, list(row.banned_token_ids)] = float("-inf")
+                self._ban(logits, i, list(row.banned_token_ids), row.bitmask_row is not None)
         penalized = [i for i, r in enumerate(rows) if r.has_penalties]
         if penalized:
             self._apply_penalties(logits, [rows[i] for i in penalized], penalized)
@@ -79,6 +91,15 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = self._logprobs(raw_logprobs, tokens, token_list, want_logprobs)
         return SamplerOutput(token_list, logprobs, errors)
+
+    @staticmethod
+    def _ban(logits: torch.Tensor, i: int, token_ids: list[int], constrained: bool) -> None:
+        """Forbid ``token_ids`` in row ``i``, unless the row's grammar allows
+        nothing else (it has ended): the grammar wins over ``min_tokens``."""
+        kept = logits[i, token_ids].clone() if constrained else None
+        logits[i, token_ids] = float("-inf")
+        if constrained and not torch.isfinite(logits[i]).any():
+            logits[i, token_ids] = kept
 
     @staticmethod
     def _non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
