@@ -51,11 +51,18 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# One tiny model per architecture family beyond Llama's (tests/test_model_families.py):
+# head_dim 16, few experts with top-2 routing.
+FAMILY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": False}),
+}
+
+
 def make_tiny_model(path: Path, name: str, seed: int = 0) -> Path:
     """Save a randomly initialised model (and a tokenizer) under ``path``."""
     import transformers
 
-    config_cls, extra = TINY_MODELS[name]
+    config_cls, extra = {**TINY_MODELS, **FAMILY_MODELS}[name]
     options = {**TINY_COMMON, **extra}
     rope_scaling = options.pop("rope_scaling", None)
     config = getattr(transformers, config_cls)(**options)

@@ -122,6 +122,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
         self.ops = ops
+        # Checkpoint child name -> (our fused Linear, its first row there), read
+        # by the weight loader (model/llama.py load_weights).
+        self.fused_offsets = {"gate_proj": ("gate_up_proj", 0),
+                              "up_proj": ("gate_up_proj", intermediate_size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

@@ -37,6 +37,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                config.qkv_bias, dtype)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, dtype)
+        # Checkpoint child name -> (our fused Linear, its first row there).
+        self.fused_offsets = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", self.q_size),
+                              "v_proj": ("qkv_proj", self.q_size + self.kv_size)}
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any) -> torch.Tensor:
@@ -49,16 +52,18 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend,
-                 ops: TorchOps, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    """Pre-norm residual block around an attention module and an MLP module
+    (each family picks its own: see ``LlamaForCausalLM.make_attention`` and
+    ``make_mlp``)."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module,
+                 ops: TorchOps, dtype: torch.dtype) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, ops)
-        self.self_attn = Attention(config, config.sliding_windows[layer_index], backend, ops,
-                                   rotary, dtype)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, ops)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
-                            dtype, ops)
+        self.mlp = mlp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -75,6 +80,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """Llama, Mistral, Qwen2; the base of the families that differ from it only
+    in their attention or MLP modules (they override ``make_attention`` /
+    ``make_mlp`` and set ``fused_cpu_decoder`` False)."""
+
+    # Whether the C decoder (model.cpu_layers) computes exactly these layers; if
+    # not, the modules run one by one (on the CPU still with the C kernels).
+    fused_cpu_decoder = True
+    # Checkpoint module names -> ours, where a family's names differ.
+    checkpoint_renames: dict[str, str] = {}
+
+    def make_attention(self, config: ModelConfig, layer_index: int, backend: AttentionBackend,
+                       ops: TorchOps, rotary: RotaryEmbedding, dtype: torch.dtype) -> nn.Module:
+        return Attention(config, config.sliding_windows[layer_index], backend, ops, rotary,
+                         dtype)
+
+    def make_mlp(self, config: ModelConfig, layer_index: int, ops: TorchOps,
+                 dtype: torch.dtype) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, ops)
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: TorchOps,
                  max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -82,8 +106,10 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                  config.rope_scaling, config.max_position_embeddings, dtype)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, ops, rotary, dtype)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.make_attention(config, i, backend, ops, rotary, dtype),
+                         self.make_mlp(config, i, ops, dtype), ops, dtype)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         if config.tie_word_embeddings:
@@ -107,65 +133,75 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     # ------------------------------------------------------------- loading
-    # Our fused linear layers and the Hugging Face ones they stack, in row order.
-    packed_modules_mapping = {
-        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    }
+    def _fused_target(self, module: str, child: str) -> tuple[str, int] | None:
+        """(our child, first row) when checkpoint ``module.child`` is stacked
+        into one of our fused Linears (say ``q_proj`` into ``qkv_proj``)."""
+        try:
+            parent = self.get_submodule(module)
+        except AttributeError:
+            return None
+        return getattr(parent, "fused_offsets", {}).get(child)
 
     def checkpoint_names(self, module: str) -> list[str]:
         """The Hugging Face names of the weights stacked in one of our modules'
         weight (``layers.0.self_attn.qkv_proj``: q, k and v)."""
-        for ours, parts in self.packed_modules_mapping.items():
-            if module.endswith(ours):
-                base = module[:-len(ours)]
-                return [f"model.{base}{part}.weight" for part in parts]
-        return [f"{module}.weight" if module == "lm_head" else f"model.{module}.weight"]
+        if module == "lm_head":
+            return ["lm_head.weight"]
+        parent, _, ours = module.rpartition(".")
+        if not parent:
+            return [f"model.{module}.weight"]
+        offsets = getattr(self.get_submodule(parent), "fused_offsets", {})
+        parts = sorted((row, child) for child, (target, row) in offsets.items() if target == ours)
+        for theirs, our_name in self.checkpoint_renames.items():
+            parent = parent.replace(f".{our_name}", f".{theirs}")
+        return [f"model.{parent}.{child}.weight" for child in [c for _, c in parts] or [ours]]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      set_elsewhere: frozenset[str] = frozenset()) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises if
-        any parameter is left unset (other than those named in
+        """Copy Hugging Face-named tensors in, stacking the parts of our fused
+        Linears (q/k/v, gate/up) at the rows their modules' ``fused_offsets``
+        give. Raises if any parameter is left unset (other than those named in
         ``set_elsewhere``, say quantized weights read as blocks) or a tensor has
         no home."""
         params = dict(self.named_parameters())
         unset = set(params) - set_elsewhere
-        cfg = self.config
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
-                "mlp.gate_proj": cfg.intermediate_size, "mlp.up_proj": cfg.intermediate_size}
-        fused = {}  # HF suffix -> (our suffix, row offset)
-        for ours, parts in self.packed_modules_mapping.items():
-            offset = 0
-            for part in parts:
-                fused[part] = (ours, offset)
-                offset += rows[part]
-        parts_seen: dict[str, int] = {}
+        rows_seen: dict[str, int] = {}
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: some checkpoints store a copy of the embedding
+            for theirs, ours in self.checkpoint_renames.items():
+                name = name.replace(f".{theirs}.", f".{ours}.")
+            module, child, kind = _split_name(name)
+            fused = self._fused_target(module, child) if module else None
             offset = None
-            for hf_part, (ours, row) in fused.items():
-                if f".{hf_part}." in name:
-                    name, offset = name.replace(hf_part, ours), row
-                    break
+            if fused is not None:
+                name, offset = f"{module}.{fused[0]}.{kind}", fused[1]
             if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} does not belong to {cfg.architecture}")
+                raise ValueError(f"checkpoint tensor {hf_name!r} does not belong to "
+                                 f"{self.config.architecture}")
             target = params[name]
             if offset is None:
                 _copy_checked(target, tensor, hf_name)
                 unset.discard(name)
             else:
                 _copy_checked(target[offset:offset + tensor.shape[0]], tensor, hf_name)
-                parts_seen[name] = parts_seen.get(name, 0) + tensor.shape[0]
-                if parts_seen[name] == target.shape[0]:
+                rows_seen[name] = rows_seen.get(name, 0) + tensor.shape[0]
+                if rows_seen[name] == target.shape[0]:
                     unset.discard(name)
         if unset:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(sorted(unset)[:8])}"
                              + (" ..." if len(unset) > 8 else ""))
+
+
+def _split_name(name: str) -> tuple[str, str, str]:
+    """``layers.0.self_attn.q_proj.weight`` -> (``layers.0.self_attn``, ``q_proj``,
+    ``weight``)."""
+    head, _, kind = name.rpartition(".")
+    module, _, child = head.rpartition(".")
+    return module, child, kind
 
 
 def _copy_checked(target: torch.Tensor, source: torch.Tensor, name: str) -> None:

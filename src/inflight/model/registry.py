@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from torch import nn
 
-from inflight.model.config import LLAMA_FAMILY
+from inflight.model.config import ARCHITECTURES
 from inflight.model.llama import LlamaForCausalLM
+from inflight.model.qwen3 import Qwen3ForCausalLM
+
+_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
-    if architecture in LLAMA_FAMILY:
-        return LlamaForCausalLM
+    if architecture in _CLASSES:
+        return _CLASSES[architecture]
     raise ValueError(f"unsupported model architecture {architecture!r}; "
-                     f"supported: {', '.join(LLAMA_FAMILY)}")
+                     f"supported: {', '.join(ARCHITECTURES)}")
