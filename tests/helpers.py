@@ -55,6 +55,18 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 # head_dim 16, few experts with top-2 routing.
 FAMILY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": False}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "tie_word_embeddings": False}),
+    # Layer 1 dense (mlp_only_layers); a shared expert behind its sigmoid gate.
+    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "mlp_only_layers": [1],
+                                     "shared_expert_intermediate_size": 48,
+                                     "num_hidden_layers": 3, "tie_word_embeddings": False}),
+    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                     "head_dim": 16, "tie_word_embeddings": False}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                              "clip_qkv": 4.0, "tie_word_embeddings": False}),
 }
 
 
@@ -83,7 +95,9 @@ def make_tiny_model(path: Path, name: str, seed: int = 0) -> Path:
 def load_hf(path: Path, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # Experts one by one: the grouped matrix product has no float64 kernel.
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                              experts_implementation="eager")
     return model.eval()
 
 

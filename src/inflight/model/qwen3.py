@@ -18,13 +18,14 @@ from inflight.ops.torch_ops import TorchOps
 
 class QKNormAttention(Attention):
     """Attention whose q and k are RMS-normalised after the projection: per
-    head (``per_head``: one ``head_dim`` weight) or over all heads together."""
+    head (``per_head``: one ``head_dim`` weight) or over all heads together;
+    then, with ``clip_qkv``, q, k and v are clamped to ``[-clip_qkv, clip_qkv]``."""
 
     def __init__(self, config: ModelConfig, sliding_window: int | None,
                  backend: AttentionBackend, ops: TorchOps, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, *, per_head: bool) -> None:
+                 dtype: torch.dtype, *, per_head: bool, clip_qkv: float | None = None) -> None:
         super().__init__(config, sliding_window, backend, ops, rotary, dtype)
-        self.per_head = per_head
+        self.per_head, self.clip_qkv = per_head, clip_qkv
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim if per_head else self.q_size, eps, dtype, ops)
         self.k_norm = RMSNorm(self.head_dim if per_head else self.kv_size, eps, dtype, ops)
@@ -38,6 +39,8 @@ class QKNormAttention(Attention):
             if self.per_head:
                 part = part.reshape(-1, self.head_dim)
             qkv[:, start:end] = norm(part.contiguous()).view(qkv.shape[0], end - start)
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         q, k, v = self.ops.rotary_qkv(qkv, positions, self.rotary.cos, self.rotary.sin,
                                       self.num_heads, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,

@@ -6,13 +6,20 @@ from torch import nn
 
 from inflight.model.config import ARCHITECTURES
 from inflight.model.llama import LlamaForCausalLM
+from inflight.model.mixtral import MixtralForCausalLM
+from inflight.model.olmoe import OlmoeForCausalLM
 from inflight.model.qwen3 import Qwen3ForCausalLM
+from inflight.model.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 
