@@ -67,6 +67,14 @@ FAMILY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                      "head_dim": 16, "tie_word_embeddings": False}),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
                               "clip_qkv": 4.0, "tie_word_embeddings": False}),
+    # LongRoPE short factors below the pretraining length (256): served with
+    # max_model_len 256, as transformers runs sequences that short.
+    "phi3": ("Phi3Config", {"max_position_embeddings": 1024, "original_max_position_embeddings": 256,
+                            "tie_word_embeddings": False, "rope_scaling": {
+                                "rope_type": "longrope", "short_factor": [1.0 + i / 4 for i in range(8)],
+                                "long_factor": [2.0 + i for i in range(8)]}}),
+    # Phi-4-mini's shape: 3/4 of each head rotated, tied embeddings.
+    "phi4-mini": ("Phi3Config", {"partial_rotary_factor": 0.75, "tie_word_embeddings": True}),
 }
 
 

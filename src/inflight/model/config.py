@@ -17,6 +17,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen2MoeForCausalLM": {"qkv_bias": True},
     "Qwen3MoeForCausalLM": {"qkv_bias_key": "attention_bias", "o_bias_key": "attention_bias"},
     "OlmoeForCausalLM": {"qkv_bias_key": "attention_bias", "o_bias_key": "attention_bias"},
+    "Phi3ForCausalLM": {},
 }
 
 @dataclass
@@ -67,6 +68,10 @@ class ModelConfig:
         rope.update(cfg.get("rope_scaling") or {})
         rope_theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        if rope_type in ("longrope", "su"):  # Phi-3 keeps its pretraining length outside
+            rope_type = "longrope"
+            rope.setdefault("original_max_position_embeddings",
+                            cfg.get("original_max_position_embeddings"))
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(

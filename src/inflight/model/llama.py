@@ -81,14 +81,19 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Llama, Mistral, Qwen2; the base of the families that differ from it only
-    in their attention or MLP modules (they override ``make_attention`` /
-    ``make_mlp`` and set ``fused_cpu_decoder`` False)."""
+    in their rotary, attention or MLP modules (they override ``make_rotary``,
+    ``make_attention``, ``make_mlp`` and set ``fused_cpu_decoder`` False)."""
 
     # Whether the C decoder (model.cpu_layers) computes exactly these layers; if
     # not, the modules run one by one (on the CPU still with the C kernels).
     fused_cpu_decoder = True
     # Checkpoint module names -> ours, where a family's names differ.
     checkpoint_renames: dict[str, str] = {}
+
+    def make_rotary(self, config: ModelConfig, max_positions: int,
+                    dtype: torch.dtype) -> RotaryEmbedding:
+        return RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
+                               config.rope_scaling, config.max_position_embeddings, dtype)
 
     def make_attention(self, config: ModelConfig, layer_index: int, backend: AttentionBackend,
                        ops: TorchOps, rotary: RotaryEmbedding, dtype: torch.dtype) -> nn.Module:
@@ -103,8 +108,7 @@ class LlamaForCausalLM(nn.Module):
                  max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
-                                 config.rope_scaling, config.max_position_embeddings, dtype)
+        rotary = self.make_rotary(config, max_positions, dtype)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.make_attention(config, i, backend, ops, rotary, dtype),

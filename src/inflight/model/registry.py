@@ -8,6 +8,7 @@ from inflight.model.config import ARCHITECTURES
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.mixtral import MixtralForCausalLM
 from inflight.model.olmoe import OlmoeForCausalLM
+from inflight.model.phi3 import Phi3ForCausalLM
 from inflight.model.qwen3 import Qwen3ForCausalLM
 from inflight.model.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -20,6 +21,7 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
