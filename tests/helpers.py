@@ -75,6 +75,17 @@ FAMILY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "long_factor": [2.0 + i for i in range(8)]}}),
     # Phi-4-mini's shape: 3/4 of each head rotated, tied embeddings.
     "phi4-mini": ("Phi3Config", {"partial_rotary_factor": 0.75, "tie_word_embeddings": True}),
+    # Windows of 6 (prompts up to 40): local, global, local layers with their own
+    # rope (linear scaling on the global one); a final-logit soft cap.
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 16, "num_hidden_layers": 3, "sliding_window": 6, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "final_logit_softcapping": 30.0, "tie_word_embeddings": False, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": None, "final_logit_softcapping": 30.0,
+                                "tie_word_embeddings": False}),
 }
 
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Supported architectures (model.registry maps each to its class), with the
-# config.json keys that switch their biases on (or the fixed setting).
+# config.json keys that switch their biases on (or the fixed setting) and
+# whether embeddings are tied where config.json does not say.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias_key": "attention_bias", "o_bias_key": "attention_bias"},
     "MistralForCausalLM": {},
@@ -18,6 +19,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen3MoeForCausalLM": {"qkv_bias_key": "attention_bias", "o_bias_key": "attention_bias"},
     "OlmoeForCausalLM": {"qkv_bias_key": "attention_bias", "o_bias_key": "attention_bias"},
     "Phi3ForCausalLM": {},
+    "Gemma2ForCausalLM": {"qkv_bias_key": "attention_bias", "o_bias_key": "attention_bias",
+                          "tied": True},
+    "Gemma3ForCausalLM": {"qkv_bias_key": "attention_bias", "o_bias_key": "attention_bias",
+                          "tied": True},
 }
 
 @dataclass
@@ -86,7 +91,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", quirks.get("tied", False)),
             qkv_bias=quirks.get("qkv_bias", bool(cfg.get(quirks.get("qkv_bias_key", ""), False))),
             o_bias=bool(cfg.get(quirks.get("o_bias_key", ""), False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -103,6 +108,11 @@ def _sliding_windows(cfg: dict[str, Any], arch: str, layers: int) -> list[int | 
     layer_types = cfg.get("layer_types")
     if layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
+    if arch == "Gemma2ForCausalLM":  # configs before layer_types: even layers local
+        return [window if i % 2 == 0 else None for i in range(layers)]
+    if arch == "Gemma3ForCausalLM":  # every sliding_window_pattern-th layer global
+        pattern = cfg.get("sliding_window_pattern", 6)
+        return [window if (i + 1) % pattern else None for i in range(layers)]
     if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
                 "Qwen3MoeForCausalLM"):
         if not cfg.get("use_sliding_window", False):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from inflight.model.config import ARCHITECTURES
+from inflight.model.gemma import GemmaForCausalLM
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.mixtral import MixtralForCausalLM
 from inflight.model.olmoe import OlmoeForCausalLM
@@ -22,6 +23,8 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 
