@@ -6,6 +6,7 @@ renamed (``checkpoint_renames``), every parameter accounted for."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ class CheckpointLoading(nn.Module):
     """Base of the model classes; they set ``self.config`` (a ModelConfig)."""
 
     # Checkpoint module names -> ours, where a family's names differ.
-    checkpoint_renames: dict[str, str] = {}
+    checkpoint_renames: ClassVar[dict[str, str]] = {}
 
     def _fused_target(self, module: str, child: str) -> tuple[str, int] | None:
         """(our child, first row) when checkpoint ``module.child`` is stacked

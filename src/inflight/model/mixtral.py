@@ -4,6 +4,8 @@ and an expert's gate, down and up projections ``w1``, ``w2``, ``w3``."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -24,7 +26,7 @@ class MixtralExpert(GatedMLP):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     fused_cpu_decoder = False
-    checkpoint_renames = {"block_sparse_moe": "mlp"}
+    checkpoint_renames: ClassVar[dict[str, str]] = {"block_sparse_moe": "mlp"}
 
     def make_mlp(self, config: ModelConfig, layer_index: int, ops: TorchOps,
                  dtype: torch.dtype) -> nn.Module:
