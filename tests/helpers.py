@@ -51,11 +51,49 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# One tiny model per architecture family beyond Llama's (tests/test_model_families.py):
+# head_dim 16, few experts with top-2 routing.
+FAMILY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", {"head_dim": 16, "tie_word_embeddings": False}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "tie_word_embeddings": False}),
+    # Layer 1 dense (mlp_only_layers); a shared expert behind its sigmoid gate.
+    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "mlp_only_layers": [1],
+                                     "shared_expert_intermediate_size": 48,
+                                     "num_hidden_layers": 3, "tie_word_embeddings": False}),
+    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                     "head_dim": 16, "tie_word_embeddings": False}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                              "clip_qkv": 4.0, "tie_word_embeddings": False}),
+    # LongRoPE short factors below the pretraining length (256): served with
+    # max_model_len 256, as transformers runs sequences that short.
+    "phi3": ("Phi3Config", {"max_position_embeddings": 1024, "original_max_position_embeddings": 256,
+                            "tie_word_embeddings": False, "rope_scaling": {
+                                "rope_type": "longrope", "short_factor": [1.0 + i / 4 for i in range(8)],
+                                "long_factor": [2.0 + i for i in range(8)]}}),
+    # Phi-4-mini's shape: 3/4 of each head rotated, tied embeddings.
+    "phi4-mini": ("Phi3Config", {"partial_rotary_factor": 0.75, "tie_word_embeddings": True}),
+    # Windows of 6 (prompts up to 40): local, global, local layers with their own
+    # rope (linear scaling on the global one); a final-logit soft cap.
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 16, "num_hidden_layers": 3, "sliding_window": 6, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "final_logit_softcapping": 30.0, "tie_word_embeddings": False, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": None, "final_logit_softcapping": 30.0,
+                                "tie_word_embeddings": False}),
+}
+
+
 def make_tiny_model(path: Path, name: str, seed: int = 0) -> Path:
     """Save a randomly initialised model (and a tokenizer) under ``path``."""
     import transformers
 
-    config_cls, extra = TINY_MODELS[name]
+    config_cls, extra = {**TINY_MODELS, **FAMILY_MODELS}[name]
     options = {**TINY_COMMON, **extra}
     rope_scaling = options.pop("rope_scaling", None)
     config = getattr(transformers, config_cls)(**options)
@@ -76,7 +114,9 @@ def make_tiny_model(path: Path, name: str, seed: int = 0) -> Path:
 def load_hf(path: Path, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # Experts one by one: the grouped matrix product has no float64 kernel.
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                              experts_implementation="eager")
     return model.eval()
 
 

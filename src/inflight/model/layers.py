@@ -122,20 +122,29 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
         self.ops = ops
+        # Checkpoint child name -> (our fused Linear, its first row there), read
+        # by the weight loader (model/llama.py load_weights).
+        self.fused_offsets = {"gate_proj": ("gate_up_proj", 0),
+                              "up_proj": ("gate_up_proj", intermediate_size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 def rope_inverse_frequencies(head_dim: int, base: float, scaling: dict[str, Any],
-                             max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+                             max_position_embeddings: int,
+                             max_positions: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (float32, ``head_dim // 2``) and the attention scaling
-    factor for a rope configuration, following the formulas of each rope type."""
+    factor for a rope configuration, following the formulas of each rope type.
+    ``head_dim`` is the rotated part of a head; ``max_positions`` the context
+    limit being served."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (base ** exponents)
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
         return inv_freq, 1.0
+    if rope_type == "longrope":
+        return _longrope(inv_freq, scaling, max_position_embeddings, max_positions)
     factor = float(scaling["factor"])
     if rope_type == "linear":
         return inv_freq / factor, 1.0
@@ -154,7 +163,24 @@ def rope_inverse_frequencies(head_dim: int, base: float, scaling: dict[str, Any]
     if rope_type == "yarn":
         return _yarn(head_dim, base, factor, scaling, max_position_embeddings)
     raise ValueError(f"unsupported rope scaling type {rope_type!r}; "
-                     "supported: default, linear, llama3, yarn")
+                     "supported: default, linear, llama3, yarn, longrope")
+
+
+def _longrope(inv_freq: torch.Tensor, scaling: dict[str, Any], max_position_embeddings: int,
+              max_positions: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 "su"): frequencies divided by per-dimension factors, the
+    long ones where the served context exceeds the pretraining length. Chosen
+    once for the whole context, as llama.cpp does (transformers switches when a
+    sequence grows past it), so a token's rotation never depends on its batch."""
+    original_len = scaling["original_max_position_embeddings"]
+    long = max_positions > original_len
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    factor = scaling.get("factor") or max_position_embeddings / original_len
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original_len)))
+    return inv_freq / factors, float(attention_factor)
 
 
 def _yarn(head_dim: int, base: float, factor: float, scaling: dict[str, Any],
@@ -197,7 +223,7 @@ class RotaryEmbedding(nn.Module):
                  max_position_embeddings: int, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq, attention_scaling = rope_inverse_frequencies(
-            head_dim, base, scaling, max_position_embeddings)
+            head_dim, base, scaling, max_position_embeddings, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", (freqs.cos() * attention_scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (freqs.sin() * attention_scaling).to(dtype), persistent=False)

@@ -130,7 +130,8 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
             pack_linear_weights(model, ops)
         if device.type == "cpu":
             on_huge_pages = move_packed_weights_to_huge_pages(model)
-        if isinstance(ops, CpuOps) and isinstance(backend, CpuPagedBackend):
+        if (isinstance(ops, CpuOps) and isinstance(backend, CpuPagedBackend)
+                and model.fused_cpu_decoder):
             model.fused_layers = CpuDecoderLayers(ops.lib, model)
     resident = weight_bytes(model)
     logger.info("weights: %.1f MiB (%s)%s", resident / 2**20,

@@ -1,0 +1,139 @@
+"""Each architecture family beyond Llama's, as a tiny random model, on the
+default CPU path (float32, C kernels): greedy tokens equal transformers'
+forward-pass argmax alone and in a chunked batch of 16, the chosen tokens'
+log-probabilities equal transformers' within float32 tolerance; prefix caching
+and preemption change nothing; `inflight generate` serves each; an unknown
+architecture is named with the supported ones. The bf16 parity runs on a GPU."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from helpers import FAMILY_MODELS, hf_greedy, load_hf, random_prompts
+
+from inflight import LLM, SamplingParams
+from inflight.cli import main
+
+# Engine options a family's test needs.
+LLM_OPTIONS = {"phi3": {"max_model_len": 256}}
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """transformers' many tiny products run ~20x faster on one thread than on
+    two of a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@torch.inference_mode()
+def _hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Log-probability of each of ``tokens`` after ``prompt`` (one forward pass)."""
+    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    chosen = logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])
+    return chosen[:, 0].tolist()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_MODELS))
+def test_family_matches_transformers(tiny_model, name):
+    path = tiny_model(name)
+    prompts = random_prompts(16, vocab=384, min_len=3, max_len=40, seed=1)
+    hf = load_hf(path, torch.float64)
+    with _one_thread():
+        expected = [hf_greedy(hf, p, 32) for p in prompts]
+    # The outputs must depend on the prompt, or the comparison proves little.
+    assert len({tuple(e) for e in expected}) == len(expected)
+
+    llm = LLM(str(path), kv_cache_memory="16MiB", max_num_batched_tokens=24, max_num_seqs=16,
+              **LLM_OPTIONS.get(name, {}))
+    alone = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0] for p in prompts[:4]]
+    assert [o.outputs[0].token_ids for o in alone] == expected[:4]
+    for output, prompt in zip(alone, prompts):
+        got = [lp[t].logprob for lp, t in zip(output.outputs[0].logprobs,
+                                              output.outputs[0].token_ids)]
+        with _one_thread():
+            want = _hf_logprobs(hf, prompt, output.outputs[0].token_ids)
+        assert got == pytest.approx(want, abs=2e-4)
+
+    batch = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.stats.num_chunked_steps > 0
+    assert [o.outputs[0].token_ids for o in batch] == expected
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "gemma3"])
+def test_prefix_caching_and_preemption_change_nothing(tiny_model, name):
+    """Shared prefixes served from the cache and requests preempted (recompute)
+    under a tight KV pool give the tokens each request gets alone, and every
+    block comes back."""
+    path = str(tiny_model(name))
+    prefix = random_prompts(1, vocab=384, min_len=24, max_len=24, seed=5)[0]
+    prompts = [prefix + tail for tail in random_prompts(12, vocab=384, min_len=2, max_len=30,
+                                                        seed=6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    roomy = LLM(path, kv_cache_memory="16MiB", enable_prefix_caching=False)
+    alone = [roomy.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts]
+    tight = LLM(path, num_kv_blocks=14, max_model_len=96, max_num_batched_tokens=32,
+                max_num_seqs=12, enable_prefix_caching=True)
+    outputs = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = tight.engine.scheduler.stats
+    assert stats.num_preemptions > 0, "the KV pool did not force preemption"
+    assert sum(o.metrics.num_cached_tokens for o in outputs) > 0, "no prefix was reused"
+    assert tight.engine.kv_cache.num_free_blocks == tight.engine.kv_cache.num_blocks
+    assert [o.outputs[0].token_ids for o in outputs] == alone
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: .*Qwen3ForCausalLM.*"
+                                         "MixtralForCausalLM.*Gemma3ForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_generate_command_prints_text_for_every_family(tiny_model, capsys):
+    for name in sorted(FAMILY_MODELS):
+        assert main(["generate", "--model", str(tiny_model(name)), "--max-tokens", "8",
+                     "--kv-cache-memory", "16MiB", "--max-model-len", "256",
+                     "the quick brown fox"]) == 0
+        assert capsys.readouterr().out.strip(), name
+
+
+# ------------------------------------------------------------------ GPU, bf16
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(FAMILY_MODELS))
+def test_family_matches_transformers_in_bfloat16_on_the_gpu(tiny_model, name):
+    """Greedy tokens equal transformers' (bf16, same GPU) until the first
+    position where the reference's top-2 margin is under 0.1, alone and in a
+    chunked batch of 16."""
+    path = tiny_model(name)
+    prompts = random_prompts(16, vocab=384, min_len=3, max_len=40, seed=1)
+    hf = load_hf(path, torch.bfloat16).to("cuda")
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory="64MiB", max_num_batched_tokens=24,
+              max_num_seqs=16, **LLM_OPTIONS.get(name, {}))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    alone = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts[:4]]
+    batch = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert batch[:4] == alone
+    with torch.inference_mode():
+        for prompt, got in zip(prompts, batch):
+            ids = list(prompt)
+            for position, token in enumerate(got):
+                top = hf(torch.tensor([ids], device="cuda")).logits[0, -1].float().topk(2)
+                if float(top.values[0] - top.values[1]) < 0.1:
+                    break
+                assert token == int(top.indices[0]), f"{name}: token {position} differs"
+                ids.append(token)
