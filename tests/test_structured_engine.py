@@ -103,6 +103,26 @@ def test_preemption_changes_no_constrained_output(tiny_model, mode):
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_async_scheduling_changes_no_constrained_output(tiny_model):
+    """Step N+1's grammar masks are filled after N's tokens are in place (the
+    matchers never see a placeholder): the same tokens as the synchronous
+    engine, constrained and plain rows mixed, with a request that fails to
+    compile ending alone."""
+    params = [constrained(i % 4, temperature=0 if i % 2 else 1.0, seed=i, max_tokens=60)
+              for i in range(len(PROMPTS))]
+    params += [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 2
+    prompts = PROMPTS + PROMPTS[:2]
+    expected = run(llm(tiny_model), params, prompts)
+    engine = llm(tiny_model, async_scheduling=True)
+    got = run(engine, params, prompts)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert all(follows(o.outputs[0].text, CONSTRAINTS[i % 4][1])
+               for i, o in enumerate(got[:len(PROMPTS)]))
+    kv = engine.engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+    assert not engine.engine.core.structured._sequences
+
+
 class FixedProposer:
     """Drafts the same tokens whatever the context."""
 

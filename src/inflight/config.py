@@ -108,6 +108,9 @@ class EngineConfig:
     # model ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"): benchmarks at real
     # sizes without a download.
     load_format: str = "auto"
+    # Schedule step N+1 while step N computes (vLLM's --async-scheduling); the
+    # tokens are the same. Steps with beam-search rows run without the overlap.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         def positive_int(name: str, allow_none: bool = False) -> None:
@@ -179,6 +182,10 @@ class EngineConfig:
             if self.scheduling == "static":
                 raise ValueError("speculative_config needs continuous scheduling")
         from inflight.core.policy import POLICIES
+        if self.async_scheduling and self.scheduling == "static":
+            raise ValueError("async_scheduling needs continuous scheduling")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling cannot be combined with speculative_config")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.scheduling_policy!r}")

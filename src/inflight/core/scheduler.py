@@ -61,6 +61,10 @@ from inflight.core.request import FinishReason, Request, RequestStatus
 
 PREEMPTION_MODES = ("recompute", "swap")
 
+# The token a sampling row holds while its step is still being computed (async
+# scheduling: ``apply_placeholders`` / ``resolve_placeholders``).
+PLACEHOLDER_TOKEN = -1
+
 # Seconds since some fixed origin: ``time.time`` in the engine, virtual time in
 # a simulator.
 Clock = Callable[[], float]
@@ -655,6 +659,50 @@ class Scheduler:
             generated += self._advance_search(search, now)
         self.stats.num_generated_tokens += generated
         return updated
+
+    def apply_placeholders(self, out: SchedulerOutput) -> tuple[list[Request],
+                                                                list[tuple[int, Request]]]:
+        """Apply a launched step as if computed, before its tokens are known
+        (async scheduling): each row that samples gets ``PLACEHOLDER_TOKEN``,
+        so that the next step can be scheduled meanwhile. Length stops apply
+        now (they do not depend on the token); token stops wait for
+        ``resolve_placeholders``. No beams, no drafts. Returns the requests
+        that gained a placeholder (as ``update_from_output``) and the
+        (row, request) pairs to resolve."""
+        sampling = [(row, r) for row, (r, n) in enumerate(zip(out.requests, out.num_new_tokens))
+                    if r.num_computed_tokens + n == r.num_tokens]
+        tokens: list[Sequence[int]] = [()] * len(out.requests)
+        for row, _ in sampling:
+            tokens[row] = (PLACEHOLDER_TOKEN,)
+        return self.update_from_output(out, tokens), sampling
+
+    def resolve_placeholders(self, rows: list[tuple[int, Request]],
+                             new_token_ids: list[Sequence[int]],
+                             errors: Mapping[int, str]) -> None:
+        """Put a computed step's tokens in place of its placeholders (the
+        placeholder is each request's last token: one step is in flight at a
+        time) and apply the stops that depend on the token (EOS, stop token
+        ids). A request ended meanwhile (abort, stop string) only gets its
+        token; a row with an error loses its placeholder."""
+        now = self.clock()
+        for row, request in rows:
+            tokens = request.all_token_ids
+            if row in errors:
+                tokens.pop()
+                continue
+            tokens[-1] = new_token_ids[row][0]
+            request.last_token_time = now
+            if request.num_output_tokens == 1:
+                request.first_token_time = now
+            if request.is_finished:
+                if request.finish_reason is FinishReason.LENGTH:  # at its placeholder
+                    request.finished_time = now
+                    # A stop token outranks the length.
+                    if request.check_stop(self.max_model_len) is FinishReason.STOP:
+                        request.finish_reason = FinishReason.STOP
+                continue
+            if request.check_stop(self.max_model_len) is not None:
+                self._end(request, FinishReason.STOP, now)
 
     def _advance_search(self, search: BeamSearch, now: float) -> int:
         """Carry out a beam search's step: free the dropped beams, fork a parent

@@ -33,13 +33,13 @@ from inflight.core.beam_search import BeamSearch, BeamSearchParams
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.request import FinishReason, Request
 from inflight.core.sampling_params import SamplingParams
-from inflight.core.scheduler import Clock, Scheduler
+from inflight.core.scheduler import Clock, Scheduler, SchedulerOutput
 from inflight.engine.messages import (BeamOutput, CoreOutputs, CoreRequest, EngineLoad,
                                       ModelInfo, RequestEnded, SequenceOutput, SequenceTiming)
 from inflight.engine.step_stats import StepStats
 from inflight.spec_decode.speculator import Speculator
 from inflight.structured import StructuredOutputManager
-from inflight.worker.runner import Runner, TokenLogprobs
+from inflight.worker.runner import Runner, RunnerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,23 @@ class _Tracked:
     search: BeamSearch | None = None
     leader: Request | None = None
     live: int = 0  # sequences not yet reported finished
+
+
+@dataclass
+class _StepSnapshot:
+    """A step's figures taken before its tokens were applied."""
+
+    start: float
+    queries: int
+    hits: int
+    generated: int
+    propose_seconds: float
+    live_ids: list[str]
+    new_tokens: list[int]
+    computed_before: list[int]
+    row_prompt_tokens: list[int]
+    padding_ids: list[str]
+    last_token_times: dict[str, float | None]
 
 
 @dataclass
@@ -90,6 +107,7 @@ class EngineCore:
         self._sequences: dict[str, _Sequence] = {}
         # Requests ended between steps (queue timeouts), for the next outputs.
         self._ended: list[RequestEnded] = []
+        self._failed: list[Request] = []  # sequences ended with an error between steps
 
     @property
     def kv_cache(self) -> KVCacheManager:
@@ -261,81 +279,107 @@ class EngineCore:
         failure of one request's results ends that request with an error; only
         a failure of the runner itself propagates."""
         start = time.perf_counter()
-        kv = self.kv_cache
-        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
-        ended, self._ended = self._ended, []
-        failed: list[Request] = []
-        structured = self.structured
-        if structured is not None:  # grammars that failed to compile
-            for request, message in structured.pop_failed():
-                failed += self._fail(request, message, ended)
+        self._fail_uncompiled()
         propose_seconds = (self.speculator.propose(self.scheduler.running)
                            if self.speculator is not None else 0.0)
-        if structured is not None:
-            structured.trim_drafts(self.scheduler.running)
+        if self.structured is not None:
+            self.structured.trim_drafts(self.scheduler.running)
+        out = self._schedule()
+        self.runner.move_blocks(out)
+        return self._run(out, start, propose_seconds)
+
+    def _fail_uncompiled(self) -> None:
+        """End the requests whose grammar failed to compile (reported with the
+        next step's outputs)."""
+        if self.structured is not None:
+            for request, message in self.structured.pop_failed():
+                self._failed += self._fail(request, message, self._ended)
+
+    def _schedule(self) -> SchedulerOutput:
+        """The next step's plan; the sequences it finished are forgotten by the
+        speculator and the grammars."""
         out = self.scheduler.schedule()
         if self.speculator is not None:
             self.speculator.forget(out.finished_request_ids)
-        if structured is not None:
-            structured.forget(out.finished_request_ids)
-        self.runner.move_blocks(out)
+        if self.structured is not None:
+            self.structured.forget(out.finished_request_ids)
+        return out
+
+    def _take_ended(self) -> tuple[list[RequestEnded], list[Request]]:
+        """The request ends and the failed sequences to report with this step."""
+        ended, self._ended = self._ended, []
+        failed, self._failed = self._failed, []
+        return ended, failed
+
+    def _run(self, out: SchedulerOutput, start: float, propose_seconds: float = 0.0
+             ) -> CoreOutputs:
+        """Compute a scheduled step whose KV blocks were moved, apply its tokens
+        and report."""
+        ended, failed = self._take_ended()
         if not out.requests:
-            if structured is not None:
-                structured.wait(GRAMMAR_WAIT_SECONDS)
-            # Nothing to compute; preemptions (all of the batch gave way) still count.
-            stats = StepStats(num_waiting=self.scheduler.num_waiting,
-                              num_running=self.scheduler.num_running,
-                              num_preempted=len(out.preempted_request_ids),
-                              preempted_ids=list(out.preempted_request_ids),
-                              kv_cache_usage=kv.usage)
-            searches = self._ended_searches()
-            self._record_finished(stats, [*out.expired, *failed], searches)
-            stats.end_time = self.clock()
-            self.last_step = stats
-            return CoreOutputs(self._outputs([], {}, [*out.expired, *failed]),
-                               self._beam_outputs(searches), ended, stats, self.load())
-        live = [(r, n) for r, n in zip(out.requests, out.num_new_tokens) if not r.padding]
-        computed_before = [r.num_computed_tokens for r, _ in live]
-        row_prompt_tokens = [min(n, max(0, r.num_prompt_tokens - done))
-                             for (r, n), done in zip(live, computed_before)]
-        live_ids = [r.request_id for r, _ in live]
-        padding_ids = [r.request_id for r in out.requests if r.padding]
-        last_token_times = {r.request_id: r.last_token_time for r in out.requests}
-        if structured is not None:
-            out.grammar_bitmask = structured.bitmask(out)
+            return self._empty_step(out, ended, failed)
+        snapshot = self._snapshot(out, start, propose_seconds)
+        if self.structured is not None:
+            out.grammar_bitmask = self.structured.bitmask(out)
         result = self.runner.execute(out)
-        generated = self.scheduler.stats.num_generated_tokens
         beam_rows = {row: list(zip(lps[0].top_token_ids, lps[0].top_logprobs))
                      for row, lps in result.logprobs.items()
                      if out.requests[row].beam is not None}
         updated = self.scheduler.update_from_output(out, result.new_token_ids, beam_rows)
+        return self._complete(out, snapshot, result, updated, beam_rows, ended, failed)
+
+    def _snapshot(self, out: SchedulerOutput, start: float,
+                  propose_seconds: float = 0.0) -> _StepSnapshot:
+        """What the step's stats need from before its tokens are applied."""
+        kv = self.kv_cache
+        live = [(r, n) for r, n in zip(out.requests, out.num_new_tokens) if not r.padding]
+        computed_before = [r.num_computed_tokens for r, _ in live]
+        return _StepSnapshot(
+            start=start, queries=kv.prefix_cache_queries, hits=kv.prefix_cache_hits,
+            generated=self.scheduler.stats.num_generated_tokens,
+            propose_seconds=propose_seconds,
+            live_ids=[r.request_id for r, _ in live], new_tokens=[n for _, n in live],
+            computed_before=computed_before,
+            row_prompt_tokens=[min(n, max(0, r.num_prompt_tokens - done))
+                               for (r, n), done in zip(live, computed_before)],
+            padding_ids=[r.request_id for r in out.requests if r.padding],
+            last_token_times={r.request_id: r.last_token_time for r in out.requests})
+
+    def _complete(self, out: SchedulerOutput, snap: _StepSnapshot, result: RunnerOutput,
+                  updated: list[Request], beam_rows: dict[int, list[tuple[int, float]]],
+                  ended: list[RequestEnded], failed: list[Request]) -> CoreOutputs:
+        """The outputs and stats of a computed step whose tokens the scheduler
+        has applied (``updated``: the sequences that gained tokens; ``ended``
+        and ``failed``: what ended between the steps)."""
+        kv = self.kv_cache
         logprobs = {out.requests[row].request_id: lp for row, lp in result.logprobs.items()
                     if row not in beam_rows}
         errors = [(out.requests[row], message) for row, message in result.errors.items()]
-        if structured is not None:  # tokens a grammar refused (a fault: the mask allows none)
+        if self.structured is not None:  # tokens a grammar refused (a fault: the mask allows none)
             errors += [(self.scheduler.requests[rid], message)
-                       for rid, message in structured.advance(out).items()
+                       for rid, message in self.structured.advance(out).items()
                        if rid in self.scheduler.requests]
         for sequence, message in errors:
             failed += self._fail(sequence, message, ended)
         searches = self._ended_searches()
         stats = StepStats(
-            num_requests=len(live_ids), num_padding=len(padding_ids),
+            num_requests=len(snap.live_ids), num_padding=len(snap.padding_ids),
             num_tokens=out.total_num_tokens,
-            num_prompt_tokens=sum(row_prompt_tokens), num_running=self.scheduler.num_running,
+            num_prompt_tokens=sum(snap.row_prompt_tokens),
+            num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_preempted=len(out.preempted_request_ids),
-            seconds=time.perf_counter() - start,
-            request_ids=live_ids, new_tokens=[n for _, n in live],
-            prompt_tokens=row_prompt_tokens,
-            computed_before=computed_before, padding_ids=padding_ids,
+            seconds=time.perf_counter() - snap.start,
+            request_ids=snap.live_ids, new_tokens=snap.new_tokens,
+            prompt_tokens=snap.row_prompt_tokens,
+            computed_before=snap.computed_before, padding_ids=snap.padding_ids,
             preempted_ids=list(out.preempted_request_ids),
             kv_cache_usage=kv.usage,
-            generation_tokens=self.scheduler.stats.num_generated_tokens - generated,
-            prefix_cache_queries=kv.prefix_cache_queries - queries,
-            prefix_cache_hits=kv.prefix_cache_hits - hits)
+            generation_tokens=self.scheduler.stats.num_generated_tokens - snap.generated,
+            prefix_cache_queries=kv.prefix_cache_queries - snap.queries,
+            prefix_cache_hits=kv.prefix_cache_hits - snap.hits)
         for seq in updated:
-            previous = last_token_times[seq.request_id]
+            previous = snap.last_token_times[seq.request_id]
             if previous is None:
                 stats.first_tokens.append((seq.first_token_time - seq.arrival_time,
                                            seq.first_scheduled_time - seq.arrival_time,
@@ -345,12 +389,32 @@ class EngineCore:
                 stats.inter_token_latencies.append(seq.last_token_time - previous)
         if self.speculator is not None:
             stats.spec = self.speculator.end_step(out, result.new_token_ids, updated,
-                                                  stats.seconds, propose_seconds)
+                                                  stats.seconds, snap.propose_seconds)
         self._record_finished(stats, [*out.expired, *(s for s in updated if s.is_finished),
                                       *failed], searches)
         stats.end_time = self.clock()
         self.last_step = stats
         return CoreOutputs(self._outputs(updated, logprobs, [*out.expired, *failed]),
+                           self._beam_outputs(searches), ended, stats, self.load())
+
+    def _empty_step(self, out: SchedulerOutput, ended: list[RequestEnded],
+                    failed: list[Request]) -> CoreOutputs:
+        """A step with nothing to compute: its expired and failed requests, and
+        its preemptions (all of the batch gave way). Waits a moment for a
+        grammar being compiled (no busy loop while requests wait for one)."""
+        if self.structured is not None:
+            self.structured.wait(GRAMMAR_WAIT_SECONDS)
+        kv = self.kv_cache
+        stats = StepStats(num_waiting=self.scheduler.num_waiting,
+                          num_running=self.scheduler.num_running,
+                          num_preempted=len(out.preempted_request_ids),
+                          preempted_ids=list(out.preempted_request_ids),
+                          kv_cache_usage=kv.usage)
+        searches = self._ended_searches()
+        self._record_finished(stats, [*out.expired, *failed], searches)
+        stats.end_time = self.clock()
+        self.last_step = stats
+        return CoreOutputs(self._outputs([], {}, [*out.expired, *failed]),
                            self._beam_outputs(searches), ended, stats, self.load())
 
     def _fail(self, sequence: Request, message: str, ended: list[RequestEnded]) -> list[Request]:

@@ -21,6 +21,7 @@ from inflight.core.policy import PolicyConfig, make_policy
 from inflight.core.request import Request
 from inflight.core.scheduler import Clock, Scheduler
 from inflight.core.static_scheduler import StaticBatchScheduler
+from inflight.engine.async_step import AsyncEngineCore
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.llm_engine import LLMEngine
 from inflight.engine.messages import ModelInfo
@@ -83,7 +84,8 @@ def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
     speculator = None
     if config.speculative_config is not None:
         speculator = Speculator(SpeculativeConfig.parse(config.speculative_config))
-    core = EngineCore(scheduler, runner, model=info, eos_token_ids=eos, clock=clock,
+    core_class = AsyncEngineCore if config.async_scheduling else EngineCore
+    core = core_class(scheduler, runner, model=info, eos_token_ids=eos, clock=clock,
                       speculator=speculator, structured=structured)
     core.load_seconds = time.perf_counter() - start
     logger.info("loaded %s in %.1f s", info.name, core.load_seconds)

@@ -169,29 +169,51 @@ class ModelRunner:
         if out.swap_in:
             self.backend.swap_blocks(self.host_kv_caches, self.kv_caches, out.swap_in)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.prepare_step(out)()
+
+    def prepare_step(self, out: SchedulerOutput) -> Callable[[], RunnerOutput]:
+        """Read everything the step needs from ``out`` and its requests now;
+        returns the computation, which touches neither again (so that another
+        thread may run it while the scheduler moves on: async scheduling)."""
         input_ids, positions, layout, sample_rows = self.prepare(out)
+        num_rows = len(out.requests)
+        drafts = list(out.draft_token_ids)
+        rows = self._sampling_rows(out, sample_rows) if sample_rows else []
+        bitmask = None if out.grammar_bitmask is None else out.grammar_bitmask.bitmask
         bucket = self.graphs.bucket(layout) if self.graphs is not None and sample_rows else None
-        if bucket is not None:
-            ids, pos = self._staging.to_device([input_ids, positions])
-            logits = self.graphs.run(ids, pos, layout, bucket)
-            if len(sample_rows) < len(out.requests):
-                logits = logits[torch.tensor(sample_rows, device=self.device)]
-        else:
-            logits = self._forward(input_ids, positions, layout,
-                                   self._logit_positions(out, layout, sample_rows))
-        sampled: list[Sequence[int]] = [()] * len(out.requests)
+        logit_positions = (self._logit_positions(out, layout, sample_rows) if bucket is None
+                           else None)
+
+        @torch.inference_mode()
+        def compute() -> RunnerOutput:
+            if bucket is not None:
+                ids, pos = self._staging.to_device([input_ids, positions])
+                logits = self.graphs.run(ids, pos, layout, bucket)
+                if len(sample_rows) < num_rows:
+                    logits = logits[torch.tensor(sample_rows, device=self.device)]
+            else:
+                logits = self._forward(input_ids, positions, layout, logit_positions)
+            return self._accept(logits, rows, bitmask, sample_rows, drafts, num_rows)
+
+        return compute
+
+    def _accept(self, logits: torch.Tensor | None, rows: list[SamplingRow],
+                bitmask: np.ndarray | None, sample_rows: list[int], drafts: list[list[int]],
+                num_rows: int) -> RunnerOutput:
+        """Sample (under the step's grammar ``bitmask``), and accept each row's
+        tokens (a verified run: the drafts that match the samples, and one
+        more)."""
+        sampled: list[Sequence[int]] = [()] * num_rows
         logprobs: dict[int, list[TokenLogprobs]] = {}
         errors: dict[int, str] = {}
         if sample_rows:
-            bitmask = None if out.grammar_bitmask is None else out.grammar_bitmask.bitmask
-            result = self.sampler.sample(logits, self._sampling_rows(out, sample_rows), bitmask)
+            result = self.sampler.sample(logits, rows, bitmask)
             k = 0
             for row in sample_rows:
-                drafts = out.draft_token_ids[row]
-                span = range(k, k + len(drafts) + 1)
-                k += len(drafts) + 1
+                row_drafts = drafts[row]
+                span = range(k, k + len(row_drafts) + 1)
+                k += len(row_drafts) + 1
                 error = next((result.errors[j] for j in span if j in result.errors), None)
                 if error is not None:
                     errors[row] = error
@@ -199,7 +221,7 @@ class ModelRunner:
                 accepted = []
                 for position, j in enumerate(span):
                     accepted.append(result.token_ids[j])
-                    if position < len(drafts) and result.token_ids[j] != drafts[position]:
+                    if position < len(row_drafts) and result.token_ids[j] != row_drafts[position]:
                         break
                 sampled[row] = accepted
                 if result.logprobs[span[0]] is not None:

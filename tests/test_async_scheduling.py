@@ -1,0 +1,168 @@
+"""Async scheduling (``async_scheduling``): step N+1 is scheduled while step N
+computes, and every request's tokens and finish reason are those of the
+synchronous engine (greedy, and seeded sampling, which depends on (seed,
+position) only); no KV block is leaked; aborts mid-way leave the others alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers import random_prompts
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inflight import LLM, BeamSearchParams, SamplingParams
+from inflight.config import EngineConfig
+from inflight.core.scheduler import SchedulerOutput
+from inflight.engine.async_step import AsyncEngineCore
+from inflight.engine.factory import build_llm_engine
+from inflight.worker.runner import RunnerOutput
+
+from fake_worker import VOCAB, FakeWorker, check_accounting
+
+
+class FakeRunner:
+    """A Runner without a model (and without ``prepare_step``: it computes at
+    launch): the fake worker's tokens, which depend on each request's tokens
+    only, and a check of every KV read and write."""
+
+    def __init__(self, num_kv_blocks: int, num_host_blocks: int) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.num_host_blocks = num_host_blocks
+        self.max_model_len = 64
+        self.worker: FakeWorker | None = None
+
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        self.worker.move_blocks(out)
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return RunnerOutput(self.worker.execute(out), {})
+
+
+options = st.fixed_dictionaries({
+    "scheduling_policy": st.sampled_from(["fcfs", "priority", "sjf", "fair"]),
+    "enable_prefix_caching": st.booleans(),
+    "preemption_mode": st.sampled_from(["recompute", "swap"]),
+    "block_size": st.sampled_from([1, 2, 4]),
+    "num_kv_blocks": st.integers(16, 48),
+    "max_num_batched_tokens": st.integers(1, 40),
+    "max_num_seqs": st.integers(2, 8),
+})
+request_spec = st.fixed_dictionaries({
+    "prompt": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
+    "shared_prefix": st.booleans(),
+    "n": st.integers(1, 2),
+    "max_tokens": st.integers(1, 12),
+    "min_tokens": st.integers(0, 3),
+    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+    "priority": st.integers(0, 2),
+})
+
+
+def _fake_engine(model_dir: str, o: dict, async_scheduling: bool):
+    blocks = o["num_kv_blocks"]
+    runner = FakeRunner(blocks, blocks if o["preemption_mode"] == "swap" else 0)
+    runner.max_model_len = blocks * o["block_size"]
+    config = EngineConfig(model_dir, async_scheduling=async_scheduling, skip_tokenizer_init=True,
+                          **{k: v for k, v in o.items() if k != "num_kv_blocks"})
+    engine = build_llm_engine(config, runner=runner)
+    runner.worker = FakeWorker(engine.kv_cache)
+    return engine
+
+
+def _run(engine, specs: list[dict], aborts: dict[int, int]) -> dict[str, tuple]:
+    """Each request's final (token ids, finish reasons) per sample; ``aborts``
+    maps a step count to the request aborted after it."""
+    for i, spec in enumerate(specs):
+        prompt = ([1, 2, 3, 4, 5, 6, 7, 8] if spec["shared_prefix"] else []) + spec["prompt"]
+        params = SamplingParams(n=spec["n"], seed=i, max_tokens=spec["max_tokens"],
+                                min_tokens=min(spec["min_tokens"], spec["max_tokens"]),
+                                stop_token_ids=spec["stop_token_ids"])
+        if len(prompt) + spec["max_tokens"] > engine.max_model_len:
+            continue
+        engine.add_request({"prompt_token_ids": prompt}, params, request_id=f"r{i}",
+                           priority=spec["priority"])
+    finals, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = tuple((tuple(c.token_ids), c.finish_reason)
+                                               for c in out.outputs)
+        check_accounting(engine.kv_cache)
+        steps += 1
+        if steps in aborts:
+            engine.abort_request(f"r{aborts[steps]}")
+        assert steps < 2000
+    kv = engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks, "a KV block leaked"
+    assert not engine.scheduler.requests and not engine.scheduler.running
+    return finals
+
+
+@settings(max_examples=60, deadline=None)
+@given(o=options, specs=st.lists(request_spec, min_size=1, max_size=10),
+       aborts=st.dictionaries(st.integers(1, 30), st.integers(0, 9), max_size=3))
+def test_async_scheduling_changes_no_token(tiny_model, o, specs, aborts):
+    """Over policies, budgets, KV pressure (preemption by recompute and swap),
+    prefix caching, n > 1, stop tokens with min_tokens: the same tokens and
+    finish reasons as the synchronous engine, the fake worker's KV checks hold
+    at every step, and nothing leaks; an aborted request's tokens are a prefix
+    of what it would have had."""
+    model_dir = str(tiny_model("llama-gqa"))
+    expected = _run(_fake_engine(model_dir, o, False), specs, {})
+    engine = _fake_engine(model_dir, o, True)
+    assert isinstance(engine.core, AsyncEngineCore)
+    got = _run(engine, specs, aborts)
+    aborted = {f"r{i}" for i in aborts.values()}
+    for rid, outputs in expected.items():
+        if rid not in aborted:
+            assert got[rid] == outputs, rid
+        elif rid in got:
+            for (tokens, reason), (want, _) in zip(got[rid], outputs):
+                assert tokens == want[:len(tokens)] and reason in ("abort", _)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tiny_model_tokens_are_those_of_the_synchronous_engine(tiny_model, mode):
+    """A real model under a small KV cache (preemption), a small token budget
+    (chunked prefill), shared prefixes (prefix caching), greedy and seeded
+    rows, stop tokens, min_tokens, n > 1 and penalties, and a beam search in
+    the mix (its steps run synchronously)."""
+    path = str(tiny_model("llama-gqa"))
+    rng = random.Random(0)
+    shared = random_prompts(1, vocab=384, min_len=40, max_len=40, seed=9)[0]
+    prompts = [(shared if i % 4 == 0 else []) + p
+               for i, p in enumerate(random_prompts(24, vocab=384, min_len=2, max_len=80, seed=3))]
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i,
+                             max_tokens=rng.randint(1, 40), n=2 if i % 7 == 0 else 1,
+                             stop_token_ids=[5, 17, 40] if i % 3 == 0 else [],
+                             min_tokens=3 if i % 5 == 0 else 0,
+                             presence_penalty=0.5 if i % 6 == 1 else 0.0)
+              for i in range(len(prompts))]
+    prompts.append(prompts[1])
+    params.append(BeamSearchParams(beam_width=2, max_tokens=6))
+    results = {}
+    for async_scheduling in (False, True):
+        llm = LLM(path, dtype="float64", num_kv_blocks=20, max_model_len=320,
+                  max_num_batched_tokens=40, max_num_seqs=12, preemption_mode=mode,
+                  swap_space="64MiB", async_scheduling=async_scheduling)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        stats = llm.engine.scheduler.stats
+        assert stats.num_preemptions > 0 and stats.num_chunked_steps > 0
+        kv = llm.engine.kv_cache
+        assert kv.num_free_blocks == kv.num_blocks
+        assert kv.prefix_cache_hits > 0
+        results[async_scheduling] = [[(c.token_ids, c.finish_reason) for c in o.outputs]
+                                     for o in outputs]
+    assert results[True] == results[False]
+    assert any(r == "stop" for o in results[True] for _, r in o)
+
+
+def test_async_scheduling_refuses_what_it_cannot_overlap():
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(async_scheduling=True, scheduling="static")
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(async_scheduling=True,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
