@@ -102,6 +102,9 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Requests the scheduler itself ended this step (expired deadlines).
     expired: list[Request] = field(default_factory=list)
+    # Prompt tokens looked up in the prefix cache while admitting, and found.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # Structured outputs: the token bitmasks of the rows a grammar constrains,
     # set by the engine after scheduling (a ``structured.StepBitmask``); None
     # when no row has one.
@@ -250,6 +253,7 @@ class Scheduler:
                               copy_blocks=self._pending_copies)
         self._ended_ids, self._pending_copies = [], []
         self.kv_cache.commit_swaps()
+        queries, hits = self.kv_cache.prefix_cache_queries, self.kv_cache.prefix_cache_hits
         now = self.clock()
         budget = self.max_num_batched_tokens
         self._background_budget = self.policy.background_allowance(budget, now)
@@ -340,6 +344,8 @@ class Scheduler:
                 pending = request.num_tokens - request.num_computed_tokens
                 if n < pending:
                     request.record("chunked", now, f"{n} of {pending} pending tokens")
+        out.prefix_cache_queries = self.kv_cache.prefix_cache_queries - queries
+        out.prefix_cache_hits = self.kv_cache.prefix_cache_hits - hits
         return out
 
     def _allocate_deferred(self, out: SchedulerOutput, request: Request, num_new: int,

@@ -45,6 +45,7 @@ from inflight.engine.messages import (AbortRequests, AddRequest, CoreEvent, Core
                                       CoreOutputs, CoreReady, EngineLoad, FinishSequences,
                                       ModelInfo, Shutdown, UtilityCall, UtilityReply)
 from inflight.engine.output import OutputKind, OutputProcessor, RequestOutput
+from inflight.engine.output_stream import RequestStream
 from inflight.engine.step_log import LocalStepLog, StepLog
 from inflight.engine.step_stats import StepStats
 from inflight.model.tokenizer import Tokenizer
@@ -166,7 +167,7 @@ class AsyncEngine(TokenizerOps):
         self._on_abort = on_abort
         self._on_dead = on_dead
         self.step_log = StepLog()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._dead: BaseException | None = None
@@ -302,8 +303,10 @@ class AsyncEngine(TokenizerOps):
         rid = prepared.request_id
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[rid] = _Stream(asyncio.get_running_loop(), queue)
+        # Deltas are merged while the reader is behind; snapshots (beams, best_of) replace.
+        deltas = stream and isinstance(params, SamplingParams) and params.num_samples == params.n
+        collector = RequestStream(asyncio.get_running_loop(), deltas=deltas)
+        self._streams[rid] = collector
         core = prepared.core
         self.output.add(core, prepared.prompt, prepared.kind)
         self._send(AddRequest(core))
@@ -317,7 +320,7 @@ class AsyncEngine(TokenizerOps):
         finished = False
         try:
             while True:
-                item = await queue.get()
+                item = await collector.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -504,17 +507,6 @@ class AsyncEngine(TokenizerOps):
             code = self._core.process.returncode
             self._die(f"the engine process exited with status {code}" if code >= 0
                       else f"the engine process was killed by signal {-code}")
-
-
-class _Stream:
-    """A request's queue of outputs, in the loop of the caller reading it."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
-        self.loop = loop
-        self.queue = queue
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 def _set_exception(future: asyncio.Future, error: BaseException) -> None:

@@ -64,8 +64,6 @@ class _StepSnapshot:
     """A step's figures taken before its tokens were applied."""
 
     start: float
-    queries: int
-    hits: int
     generated: int
     propose_seconds: float
     live_ids: list[str]
@@ -331,11 +329,10 @@ class EngineCore:
     def _snapshot(self, out: SchedulerOutput, start: float,
                   propose_seconds: float = 0.0) -> _StepSnapshot:
         """What the step's stats need from before its tokens are applied."""
-        kv = self.kv_cache
         live = [(r, n) for r, n in zip(out.requests, out.num_new_tokens) if not r.padding]
         computed_before = [r.num_computed_tokens for r, _ in live]
         return _StepSnapshot(
-            start=start, queries=kv.prefix_cache_queries, hits=kv.prefix_cache_hits,
+            start=start,
             generated=self.scheduler.stats.num_generated_tokens,
             propose_seconds=propose_seconds,
             live_ids=[r.request_id for r, _ in live], new_tokens=[n for _, n in live],
@@ -376,8 +373,8 @@ class EngineCore:
             preempted_ids=list(out.preempted_request_ids),
             kv_cache_usage=kv.usage,
             generation_tokens=self.scheduler.stats.num_generated_tokens - snap.generated,
-            prefix_cache_queries=kv.prefix_cache_queries - snap.queries,
-            prefix_cache_hits=kv.prefix_cache_hits - snap.hits)
+            prefix_cache_queries=out.prefix_cache_queries,
+            prefix_cache_hits=out.prefix_cache_hits)
         for seq in updated:
             previous = snap.last_token_times[seq.request_id]
             if previous is None:
