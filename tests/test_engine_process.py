@@ -113,6 +113,10 @@ def test_the_server_gives_the_offline_tokens_from_an_engine_process(tiny_model):
     server = start_server(EngineConfig(str(path), kv_cache_memory="16MiB"))
     try:
         assert server.engine.pid is not None and server.engine.pid in children_of(os.getpid())
+        # Its OpenMP threads sleep between parallel regions (the front end needs the cores).
+        environ = Path(f"/proc/{server.engine.pid}/environ").read_bytes().split(b"\0")
+        assert (b"OMP_WAIT_POLICY=" + os.environ.get("OMP_WAIT_POLICY", "PASSIVE").encode()
+                in environ)
 
         async def all_at_once(stream: bool) -> list[str]:
             async with httpx.AsyncClient(timeout=60) as http:

@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -114,7 +114,7 @@ class _CoreProcess(_Core):
         spec = CoreProcessSpec(config, ops, events, log_level=logging.getLogger(
             "inflight").getEffectiveLevel(), **options)
         self.process = subprocess.Popen([sys.executable, "-m", "inflight.engine.core_process"],
-                                        stdin=subprocess.PIPE)
+                                        stdin=subprocess.PIPE, env=core_process_env(os.environ))
         self.process.stdin.write(msgspec.msgpack.encode(spec))
         self.process.stdin.close()
         logger.info("engine core process %d", self.process.pid)
@@ -133,6 +133,18 @@ class _CoreProcess(_Core):
             logger.warning("the engine process did not stop in %.0f s: killing it", timeout)
             self.process.kill()
             self.process.wait()
+
+
+def core_process_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The engine process's environment: the server's, with OpenMP's idle
+    threads sleeping instead of spinning (``OMP_WAIT_POLICY=PASSIVE``) unless
+    the user chose a policy. Between two parallel regions (the Python of a
+    step) the C kernels' threads spun on a core the front end needed: on two
+    cores with the tiny model, the engine took 1.9x the CPU time for the same
+    tokens and the server delivered 0.6x (docs/benchmarks.md)."""
+    env = dict(environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 class AsyncEngine(TokenizerOps):
