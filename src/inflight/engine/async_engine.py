@@ -140,8 +140,9 @@ def core_process_env(environ: Mapping[str, str]) -> dict[str, str]:
     threads sleeping instead of spinning (``OMP_WAIT_POLICY=PASSIVE``) unless
     the user chose a policy. Between two parallel regions (the Python of a
     step) the C kernels' threads spun on a core the front end needed: on two
-    cores with the tiny model, the engine took 1.9x the CPU time for the same
-    tokens and the server delivered 0.6x (docs/benchmarks.md)."""
+    cores with a tiny model the engine took about twice the CPU time for the
+    same tokens, and the server delivered about two thirds of the tokens/s
+    (docs/benchmarks.md, "The server against the offline engine")."""
     env = dict(environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
