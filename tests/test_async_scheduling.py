@@ -83,12 +83,15 @@ def _run(engine, specs: list[dict], aborts: dict[int, int]) -> dict[str, tuple]:
             continue
         engine.add_request({"prompt_token_ids": prompt}, params, request_id=f"r{i}",
                            priority=spec["priority"])
-    finals, steps = {}, 0
+    finals, steps, counted = {}, 0, []
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = tuple((tuple(c.token_ids), c.finish_reason)
                                                for c in out.outputs)
+        if engine.core.last_step is not None:
+            counted += zip(engine.core.last_step.finished_ids,
+                           (f[0] for f in engine.core.last_step.finished))
         check_accounting(engine.kv_cache)
         steps += 1
         if steps in aborts:
@@ -97,6 +100,12 @@ def _run(engine, specs: list[dict], aborts: dict[int, int]) -> dict[str, tuple]:
     kv = engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks, "a KV block leaked"
     assert not engine.scheduler.requests and not engine.scheduler.running
+    # The step stats count each sequence that ended once (not an aborted one).
+    ids = [sid for sid, _ in counted]
+    assert len(ids) == len(set(ids)) and all(reason != "abort" for _, reason in counted)
+    assert {rid if len(samples) == 1 else f"{rid}#{i}"
+            for rid, samples in finals.items()
+            for i, (_, reason) in enumerate(samples) if reason != "abort"} <= set(ids)
     return finals
 
 
@@ -166,3 +175,62 @@ def test_async_scheduling_refuses_what_it_cannot_overlap():
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling=True,
                      speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_the_compute_thread_keeps_the_configured_thread_count(tiny_model):
+    """OpenMP's thread count is per thread: the worker that computes the steps
+    gets ``num_threads`` too (the C kernels share PyTorch's OpenMP runtime)."""
+    import ctypes
+
+    llm = LLM(str(tiny_model("llama-gqa")), dtype="float32", num_threads=1,
+              async_scheduling=True, kv_cache_memory="8MiB")
+    gomp = ctypes.CDLL("libgomp.so.1")
+    # Before any step: a C kernel may run before PyTorch's own lazy setting.
+    assert llm.engine.core._executor.submit(gomp.omp_get_max_threads).result() == 1
+
+
+class FailingRunner(FakeRunner):
+    """The fake runner, whose results fail for one request's row once it has
+    ``at`` output tokens (the step that would compute its next)."""
+
+    def __init__(self, *args, victim: str, at: int) -> None:
+        super().__init__(*args)
+        self.victim, self.at = victim, at
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        result = super().execute(out)
+        for row, request in enumerate(out.requests):
+            if request.request_id == self.victim and request.num_output_tokens == self.at:
+                result.errors[row] = "non-finite logits"
+                result.new_token_ids[row] = ()
+        return result
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("at", [0, 3])  # its first token, its last allowed one
+def test_a_failed_row_ends_its_request_with_an_error_and_is_counted_once(tiny_model,
+                                                                          async_scheduling, at):
+    """Also when async scheduling has already ended it by length at the
+    placeholder of the step that failed: one output with reason error, one
+    finish in the step stats, nothing left in the core, no block leaked."""
+    runner = FailingRunner(32, 0, victim="bad", at=at)
+    config = EngineConfig(str(tiny_model("llama-gqa")), async_scheduling=async_scheduling,
+                          skip_tokenizer_init=True, block_size=4)
+    engine = build_llm_engine(config, runner=runner)
+    runner.worker = FakeWorker(engine.kv_cache)
+    engine.add_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=at + 1),
+                       request_id="bad")
+    engine.add_request({"prompt_token_ids": [4, 5]}, SamplingParams(max_tokens=8),
+                       request_id="good")
+    finals, finished_stats = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finals
+                finals[out.request_id] = out
+        finished_stats += engine.core.last_step.finished_ids
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    assert finals["good"].outputs[0].finish_reason == "length"
+    assert sorted(finished_stats) == ["bad", "good"]
+    assert not engine.core._sequences and not engine.core._requests
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks

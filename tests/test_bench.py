@@ -144,9 +144,16 @@ def test_throughput_per_dtype_and_weight_format(tiny_model, tmp_path):
                  "--num-requests", "3", "--ignore-eos", "--kv-cache-memory", "16MiB",
                  "--quantization", "none,w8a8", "--dtype", "float32,bfloat16", "--model-stub",
                  "--output-json", str(out)]) == 0
-    labels = {r["label"] for r in json.loads(out.read_text())["results"]}
+    report = json.loads(out.read_text())
+    labels = {r["label"] for r in report["results"]}
     assert labels == {f"continuous/weights-{w}/dtype-{d}" for w in ("none", "w8a8")
                       for d in ("float32", "bfloat16")}
+    # Each ratio compares runs that differ in one part only, per value of the others.
+    assert set(report["ratios"]) == {
+        "w8a8/none output tokens/s at max_num_seqs=128 (dtype-float32)",
+        "w8a8/none output tokens/s at max_num_seqs=128 (dtype-bfloat16)",
+        "bfloat16/float32 total tokens/s at max_num_seqs=128 (weights-none)",
+        "bfloat16/float32 total tokens/s at max_num_seqs=128 (weights-w8a8)"}
 
 
 def test_each_run_builds_its_engine_after_the_last_one_is_freed(tiny_model, monkeypatch):

@@ -137,3 +137,22 @@ def test_family_matches_transformers_in_bfloat16_on_the_gpu(tiny_model, name):
                     break
                 assert token == int(top.indices[0]), f"{name}: token {position} differs"
                 ids.append(token)
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+def test_quantized_moe_keeps_its_routers_in_float(tiny_model, method):
+    """--quantization stores the experts (and attention) in the integer format,
+    but a router's scores pick the experts: the routers stay float32, and the
+    model still serves."""
+    from inflight.model.moe import SparseMoe
+
+    llm = LLM(str(tiny_model("qwen2-moe")), kv_cache_memory="16MiB", quantization=method)
+    model = llm.engine.runner.model
+    moes = [m for m in model.modules() if isinstance(m, SparseMoe)]
+    assert moes
+    for moe in moes:
+        for router in (moe.gate, moe.shared_expert_gate):
+            assert getattr(router.packed, "format", None) != method
+        assert all(e.down_proj.packed.format == method for e in moe.experts)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 32

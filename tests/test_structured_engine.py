@@ -247,7 +247,10 @@ def test_bad_constraints_are_refused_before_anything_is_queued(tiny_model, const
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
 
 
-def test_a_grammar_that_fails_to_compile_ends_its_request_only(tiny_model):
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_grammar_that_fails_to_compile_ends_its_request_only(tiny_model, n):
+    """(With n > 1 every sample of the request ends with the error, the ones
+    waiting to fork from the first too, and the core keeps nothing of it.)"""
     engine = llm(tiny_model)
     structured = engine.engine.core.structured
 
@@ -256,13 +259,14 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_only(tiny_model):
 
     structured._make_backend = broken
     core = engine.engine
-    bad = core.add_request({"prompt_token_ids": PROMPTS[0]}, constrained(1))
+    bad = core.add_request({"prompt_token_ids": PROMPTS[0]}, constrained(1, n=n, seed=0))
     good = core.add_request({"prompt_token_ids": PROMPTS[1]},
                             SamplingParams(temperature=0, max_tokens=4))
     finished = {}
     while core.has_unfinished_requests():
         finished.update({o.request_id: o for o in core.step() if o.finished})
     assert "no tokenizer tables" in finished[bad].error
-    assert finished[bad].outputs[0].finish_reason == "error"
+    assert [c.finish_reason for c in finished[bad].outputs] == ["error"] * n
     assert finished[good].error is None and len(finished[good].outputs[0].token_ids) == 4
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+    assert not core.core._sequences and not core.core._requests

@@ -10,6 +10,7 @@ import json
 import platform
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -276,31 +277,23 @@ def _ratios(results: list[ThroughputResult]) -> dict[str, float]:
         if mode == "swap" and (f"{base}/recompute", n) in by:
             ratios[f"swap/recompute total tokens/s at max_num_seqs={n}"] = (
                 r.total_tokens_per_second / by[f"{base}/recompute", n].total_tokens_per_second)
-    for (label, n), r in by.items():
-        base, _, spec = label.rpartition("/")
-        if spec in ("spec-ngram", "spec-suffix") and (f"{base}/spec-off", n) in by:
-            ratios[f"{spec[5:]}/off output tokens/s at max_num_seqs={n}"] = (
-                r.output_tokens_per_second / by[f"{base}/spec-off", n].output_tokens_per_second)
-    for (label, n), r in by.items():
-        base, _, weights = label.rpartition("/")
-        if weights.startswith("weights-") and weights != "weights-none" and (
-                f"{base}/weights-none", n) in by:
-            ratios[f"{weights[8:]}/none output tokens/s at max_num_seqs={n}"] = (
-                r.output_tokens_per_second / by[f"{base}/weights-none", n].output_tokens_per_second)
-    for (label, n), r in by.items():
-        base, _, schema = label.rpartition("/")
-        if schema.startswith("schema-") and schema != "schema-0" and (
-                f"{base}/schema-0", n) in by:
-            ratios[f"{schema}/schema-0 total tokens/s at max_num_seqs={n}"] = (
-                r.total_tokens_per_second / by[f"{base}/schema-0", n].total_tokens_per_second)
-    for (label, n), r in by.items():
-        base, _, cache = label.rpartition("/")
-        if cache == "cache-on" and (f"{base}/cache-off", n) in by:
-            off = by[f"{base}/cache-off", n]
-            ratios[f"cache off/on mean TTFT at max_num_seqs={n}"] = (
-                off.mean_ttft_seconds / r.mean_ttft_seconds)
-            ratios[f"cache on/off total tokens/s at max_num_seqs={n}"] = (
-                r.total_tokens_per_second / off.total_tokens_per_second)
+    for value, n, where, r, base in _against(by, "spec-", "off"):
+        ratios[f"{value}/off output tokens/s at max_num_seqs={n}{where}"] = (
+            r.output_tokens_per_second / base.output_tokens_per_second)
+    for value, n, where, r, base in _against(by, "weights-", "none"):
+        ratios[f"{value}/none output tokens/s at max_num_seqs={n}{where}"] = (
+            r.output_tokens_per_second / base.output_tokens_per_second)
+    for value, n, where, r, base in _against(by, "dtype-", "float32"):
+        ratios[f"{value}/float32 total tokens/s at max_num_seqs={n}{where}"] = (
+            r.total_tokens_per_second / base.total_tokens_per_second)
+    for value, n, where, r, base in _against(by, "schema-", "0"):
+        ratios[f"schema-{value}/schema-0 total tokens/s at max_num_seqs={n}{where}"] = (
+            r.total_tokens_per_second / base.total_tokens_per_second)
+    for value, n, where, r, off in _against(by, "cache-", "off"):
+        ratios[f"cache off/on mean TTFT at max_num_seqs={n}{where}"] = (
+            off.mean_ttft_seconds / r.mean_ttft_seconds)
+        ratios[f"cache on/off total tokens/s at max_num_seqs={n}{where}"] = (
+            r.total_tokens_per_second / off.total_tokens_per_second)
     for hf in (r for r in results if r.label.startswith("hf-")):
         name = hf.label + (f" (batch {hf.max_num_seqs})" if hf.label == "hf-generate" else "")
         for (label, n), r in by.items():
@@ -308,6 +301,24 @@ def _ratios(results: list[ThroughputResult]) -> dict[str, float]:
                 ratios[f"continuous (max_num_seqs={n}) / {name} output tokens/s"] = (
                     r.output_tokens_per_second / hf.output_tokens_per_second)
     return ratios
+
+
+def _against(by: dict[tuple[str, int], ThroughputResult], prefix: str, baseline: str
+             ) -> Iterator[tuple[str, int, str, ThroughputResult, ThroughputResult]]:
+    """Each run whose label has a ``prefix`` part other than ``prefix +
+    baseline``, with the run that differs from it in that part only: (value,
+    max_num_seqs, " (the other parts)" where there are any besides the
+    scheduling, run, baseline run)."""
+    for (label, n), r in by.items():
+        parts = label.split("/")
+        for i, part in enumerate(parts):
+            if not part.startswith(prefix) or part == prefix + baseline:
+                continue
+            other = "/".join([*parts[:i], prefix + baseline, *parts[i + 1:]])
+            if (other, n) in by:
+                rest = parts[1:i] + parts[i + 1:]
+                yield (part.removeprefix(prefix), n, f" ({'/'.join(rest)})" if rest else "",
+                       r, by[other, n])
 
 
 def _machine() -> str:

@@ -224,17 +224,15 @@ class Scheduler:
         return ended
 
     def finish_requests(self, request_ids: list[str] | str, reason: FinishReason) -> list[Request]:
-        """End live requests (abort, stop string); unknown or ended ids are ignored."""
+        """End live requests (abort, stop string); unknown or ended ids are
+        ignored. Returns the requests ended, those among ``request_ids`` that a
+        request before them ended with it included (samples waiting to fork)."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        ended = []
-        for rid in request_ids:
-            request = self.requests.get(rid)
-            if request is None:
-                continue
+        live = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        for request in live:
             self._end(request, reason)
-            ended.append(request)
-        return ended
+        return live
 
     @property
     def num_running(self) -> int:

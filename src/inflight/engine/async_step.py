@@ -57,7 +57,9 @@ class AsyncEngineCore(EngineCore):
         super().__init__(*args, **kwargs)
         if self.speculator is not None:
             raise ValueError("async scheduling cannot run with speculative decoding")
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-step")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="inflight-step",
+            initializer=getattr(self.runner, "init_compute_thread", None))
         self._in_flight: _InFlight | None = None
         # A step scheduled (its blocks moved) to run synchronously next.
         self._scheduled: SchedulerOutput | None = None

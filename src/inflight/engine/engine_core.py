@@ -375,7 +375,7 @@ class EngineCore:
             generation_tokens=self.scheduler.stats.num_generated_tokens - snap.generated,
             prefix_cache_queries=out.prefix_cache_queries,
             prefix_cache_hits=out.prefix_cache_hits)
-        for seq in updated:
+        for seq in self._unreported(updated):
             previous = snap.last_token_times[seq.request_id]
             if previous is None:
                 stats.first_tokens.append((seq.first_token_time - seq.arrival_time,
@@ -387,8 +387,8 @@ class EngineCore:
         if self.speculator is not None:
             stats.spec = self.speculator.end_step(out, result.new_token_ids, updated,
                                                   stats.seconds, snap.propose_seconds)
-        self._record_finished(stats, [*out.expired, *(s for s in updated if s.is_finished),
-                                      *failed], searches)
+        self._record_finished(stats, self._unreported(
+            [*out.expired, *(s for s in updated if s.is_finished), *failed]), searches)
         stats.end_time = self.clock()
         self.last_step = stats
         return CoreOutputs(self._outputs(updated, logprobs, [*out.expired, *failed]),
@@ -428,7 +428,26 @@ class EngineCore:
         ended.append(RequestEnded(rid, "failed", message))
         if self.structured is not None:
             self.structured.forget(ids)
-        return self.scheduler.finish_requests(ids, FinishReason.ERROR)
+        failed = self.scheduler.finish_requests(ids, FinishReason.ERROR)
+        if sequence.is_finished and all(s is not sequence for s in failed):
+            # Ended already (async scheduling: by length at the placeholder of
+            # the step whose results failed), not yet reported: with the error.
+            sequence.finish_reason = FinishReason.ERROR
+            failed.append(sequence)
+        return failed
+
+    def _unreported(self, sequences: list[Request]) -> list[Request]:
+        """``sequences`` once each, without those already reported ended (an
+        abort or a stop string while their step was in flight): the ones a
+        step's stats count. Beams are counted by their search."""
+        seen: set[int] = set()
+        kept = []
+        for seq in sequences:
+            if id(seq) not in seen and (seq.beam is not None
+                                        or seq.request_id in self._sequences):
+                seen.add(id(seq))
+                kept.append(seq)
+        return kept
 
     def _outputs(self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]],
                  ended: list[Request]) -> list[SequenceOutput]:

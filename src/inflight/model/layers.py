@@ -23,6 +23,10 @@ class Linear(nn.Module):
     then dropped unless another module shares it (a tied embedding).
     """
 
+    # Whether --quantization may store this weight in an integer format (a
+    # mixture-of-experts router is kept in float: its scores pick the experts).
+    integer_quantizable = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features

@@ -57,6 +57,7 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.gate = Linear(hidden_size, moe.num_experts, False, dtype)
+        self.gate.integer_quantizable = False
         self.experts = nn.ModuleList(
             expert_class(hidden_size, moe.expert_intermediate_size, False, dtype, ops)
             for _ in range(moe.num_experts))
@@ -66,6 +67,7 @@ class SparseMoe(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, moe.shared_intermediate_size, False,
                                           dtype, ops)
             self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
+            self.shared_expert_gate.integer_quantizable = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts ``[T, top_k]`` and their weights (x's dtype)."""

@@ -43,10 +43,13 @@ logger = logging.getLogger(__name__)
 
 def quantize_weights(model: nn.Module, ops: QuantOps, embeddings: bool = False) -> None:
     """Store every linear layer's float weight in ``ops.format`` (an embedding
-    tied to one reads it there), and with ``embeddings`` every other embedding
+    tied to one reads it there; bf16 for all, an integer format for those that
+    are ``integer_quantizable``), and with ``embeddings`` every other embedding
     table too."""
+    floating = ops.format == "bf16"
     for module in list(model.modules()):
-        if isinstance(module, Linear) and module.packed is None:
+        if (isinstance(module, Linear) and module.packed is None
+                and (floating or module.integer_quantizable)):
             _share(model, module.weight, ops, ops.pack_weight(module.weight.data))
     if embeddings:
         for module in list(model.modules()):

@@ -50,6 +50,7 @@ class ModelRunner:
         counted before its weights were packed; ``weight_bytes``: the memory its
         weights take as loaded (packed, quantized)."""
         cfg = model.config
+        self._num_threads = torch.get_num_threads()  # (as configured by the loader)
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -171,6 +172,13 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.prepare_step(out)()
+
+    def init_compute_thread(self) -> None:
+        """Run first in a thread that will compute steps (async scheduling):
+        OpenMP's thread count is per calling thread, and a new thread would
+        otherwise use every core whatever ``num_threads`` says (the C kernels
+        share PyTorch's OpenMP runtime)."""
+        torch.set_num_threads(self._num_threads)
 
     def prepare_step(self, out: SchedulerOutput) -> Callable[[], RunnerOutput]:
         """Read everything the step needs from ``out`` and its requests now;
