@@ -70,13 +70,14 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 def _llama_cpp_tensors(checkpoint: dict[str, np.ndarray], arch: gguf.MODEL_ARCH,
                        config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
     experts: dict[str, dict[int, np.ndarray]] = {}
+    gemma = arch in (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
     for name, data in checkpoint.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         if arch == gguf.MODEL_ARCH.LLAMA and re.search(r"\.[qk]_proj\.", name):
             key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
             data = _permute(data, config[key])
-        if arch in (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3) and name.endswith("norm.weight"):
+        if gemma and name.endswith("norm.weight"):
             data = data + 1
         match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+\.weight)", name)
         if match:  # stacked once every expert is in
