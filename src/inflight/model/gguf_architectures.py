@@ -84,6 +84,13 @@ class Metadata:
         """``{arch}.key``, say ``attention.head_count``."""
         return self.fields.get(f"{self.arch}.{key}", default)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's numpy shape; a clear error where the file lays it out otherwise."""
+        if name not in self.shapes:
+            raise ValueError(f"this {self.arch} GGUF file has no tensor {name!r} "
+                             "(a layout inflight does not convert)")
+        return self.shapes[name]
+
     def tensor(self, name: str) -> np.ndarray:
         """A small float tensor's values (the LongRoPE factors)."""
         t = next(t for t in self.reader.tensors if t.name == name)
@@ -167,7 +174,7 @@ def _experts(meta: Metadata, norm_default: bool) -> dict[str, Any]:
     at all), every layer sparse, as llama.cpp runs them."""
     config = {"num_experts": meta.get("expert_count"),
               "num_experts_per_tok": meta.get("expert_used_count"),
-              "moe_intermediate_size": meta.shapes["blk.0.ffn_gate_exps.weight"][1],
+              "moe_intermediate_size": meta.shape("blk.0.ffn_gate_exps.weight")[1],
               "norm_topk_prob": bool(meta.get("expert_weights_norm", norm_default)),
               "decoder_sparse_step": 1, "mlp_only_layers": []}
     if "blk.0.ffn_gate_shexp.weight" in meta.shapes:
@@ -178,7 +185,7 @@ def _experts(meta: Metadata, norm_default: bool) -> dict[str, Any]:
 def _mixtral_config(meta: Metadata) -> dict[str, Any]:
     return {"num_local_experts": meta.get("expert_count"),
             "num_experts_per_tok": meta.get("expert_used_count"),
-            "intermediate_size": meta.shapes["blk.0.ffn_gate_exps.weight"][1]}
+            "intermediate_size": meta.shape("blk.0.ffn_gate_exps.weight")[1]}
 
 
 def _olmoe_config(meta: Metadata) -> dict[str, Any]:
