@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from helpers import random_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -234,3 +235,24 @@ def test_a_failed_row_ends_its_request_with_an_error_and_is_counted_once(tiny_mo
     assert sorted(finished_stats) == ["bad", "good"]
     assert not engine.core._sequences and not engine.core._requests
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_a_gpu_async_scheduling_changes_no_greedy_token(tiny_model, dtype):
+    """On CUDA (Triton kernels, CUDA graphs for decode) the overlapped steps give
+    the synchronous engine's greedy tokens bit for bit, with chunked prefill
+    and preemption in the mix."""
+    path = str(tiny_model("llama-gqa"))
+    prompts = random_prompts(24, vocab=384, min_len=2, max_len=80, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    results = {}
+    for async_scheduling in (False, True):
+        llm = LLM(path, device="cuda", dtype=dtype, num_kv_blocks=40, max_num_batched_tokens=48,
+                  max_num_seqs=16, async_scheduling=async_scheduling)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        results[async_scheduling] = [o.outputs[0].token_ids for o in outputs]
+        assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    assert results[True] == results[False]
