@@ -83,8 +83,10 @@ FAMILY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "final_logit_softcapping": 30.0, "tie_word_embeddings": False, "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}),
+    # An attention-logit soft cap of 3 (released models: 50), which these
+    # scores reach, so that a backend ignoring it gives other tokens.
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 24,
-                                "attn_logit_softcapping": None, "final_logit_softcapping": 30.0,
+                                "attn_logit_softcapping": 3.0, "final_logit_softcapping": 30.0,
                                 "tie_word_embeddings": False}),
 }
 
