@@ -83,8 +83,10 @@ FAMILY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "final_logit_softcapping": 30.0, "tie_word_embeddings": False, "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}),
+    # An attention-logit soft cap of 3 (released models: 50), which these
+    # scores reach, so that a backend ignoring it gives other tokens.
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 24,
-                                "attn_logit_softcapping": None, "final_logit_softcapping": 30.0,
+                                "attn_logit_softcapping": 3.0, "final_logit_softcapping": 30.0,
                                 "tie_word_embeddings": False}),
 }
 
@@ -136,3 +138,32 @@ def random_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (count,), generator=g).tolist()
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Any,
+                    scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """Plain attention in float64, token by token, as transformers' eager
+    attention computes it: scores ``scale * q . k``, then ``softcap *
+    tanh(scores / softcap)``, then the causal (and sliding-window) mask and the
+    softmax. q ``[T, Hq, D]``; the caches ``[Hkv, blocks, block_size, D]``
+    hold every key of the step (``layout``: a ``BatchLayout``); returns
+    ``[T, Hq * D]``."""
+    num_kv_heads, _, block_size, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    keys = k_cache.double().reshape(num_kv_heads, -1, head_dim)
+    values = v_cache.double().reshape(num_kv_heads, -1, head_dim)
+    out = []
+    for i in range(len(layout.seq_lens)):
+        for t in range(int(layout.query_start_loc[i]), int(layout.query_start_loc[i + 1])):
+            pos = int(layout.context_lens[i]) + t - int(layout.query_start_loc[i])
+            first = 0 if window is None else max(0, pos - window + 1)
+            positions = torch.arange(first, pos + 1)
+            slots = (torch.from_numpy(layout.block_table[i])[positions // block_size] * block_size
+                     + positions % block_size)
+            k = keys[:, slots].repeat_interleave(group, 0)      # [Hq, n, D]
+            v = values[:, slots].repeat_interleave(group, 0)
+            scores = torch.einsum("hd,hnd->hn", q[t].double(), k) * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            out.append(torch.einsum("hn,hnd->hd", scores.softmax(-1), v).reshape(-1))
+    return torch.stack(out)

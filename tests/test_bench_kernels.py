@@ -57,7 +57,7 @@ def test_other_weight_formats_and_a_bf16_cache_count_their_own_bytes(tiny_model,
     assert main(["bench", "kernels", "--model", str(model), "--rows", "2", "--decode", "2x40",
                  "--prompt", "", "--block-order", "random", "--repeats", "1",
                  "--weights", "float32,bf16,w8a8", "--kv-dtype", "float32,bfloat16",
-                 "--output-json", str(out)]) == 0
+                 "--logit-softcap", "0,50", "--output-json", str(out)]) == 0
     rows = {(r["kernel"], r["shape"]): r for r in json.loads(out.read_text())["results"]}
     h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -69,6 +69,8 @@ def test_other_weight_formats_and_a_bf16_cache_count_their_own_bytes(tiny_model,
     assert rows["linear", "m=2 bf16"]["bytes"] == 2 * padded
     assert rows["linear", "m=2 w8a8"]["bytes"] == padded + scales
     assert (rows["decode attention", "2x40 random"]["bytes"]
+            == rows["decode attention", "2x40 random cap 50"]["bytes"]
+            == 2 * rows["decode attention", "2x40 random bf16 cap 50"]["bytes"]
             == 2 * rows["decode attention", "2x40 random bf16"]["bytes"]
             == 2 * 2 * 40 * kv_heads * d * 4 * layers)
 
@@ -77,7 +79,9 @@ def test_other_weight_formats_and_a_bf16_cache_count_their_own_bytes(tiny_model,
                                           ("--decode", "12by300"), ("--prompt", "0x512"),
                                           ("--block-size", "0"), ("--block-order", "sideways"),
                                           ("--block-order", ""), ("--weights", "fp8"),
-                                          ("--kv-dtype", "float16")])
+                                          ("--kv-dtype", "float16"),
+                                          ("--logit-softcap", "-1"),
+                                          ("--logit-softcap", "inf,x")])
 def test_bad_shapes_are_refused_by_name(tiny_model, option, value, capsys):
     code = main(["bench", "kernels", "--model", str(tiny_model("llama-gqa")), option, value])
     assert code == 2

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import dense_attention
+
 from inflight.attention.backend import BatchLayout
 from inflight.attention.cpu_paged import CpuPagedBackend
 from inflight.attention.torch_paged import TorchPagedBackend
@@ -121,9 +123,42 @@ def test_cpu_backend_matches_the_reference(ops, heads, kv_heads, dim, window):
         assert torch.allclose(ref, got, atol=2e-5)
 
 
-@pytest.mark.parametrize("context, run, window", [(37, 6, None), (0, 45, None), (21, 30, None),
-                                                 (40, 12, 19)])
-def test_a_run_of_query_tokens_attends_as_its_decodes_would(ops, context, run, window):
+@pytest.mark.parametrize("heads, kv_heads, dim, window", [(9, 3, 64, None), (6, 2, 40, 17)])
+def test_every_cpu_backend_soft_caps_the_scores_as_transformers_does(ops, heads, kv_heads, dim,
+                                                                     window):
+    """Gemma 2's attention-logit soft cap on a mixed step (decodes, prompt
+    chunks with cached context) against plain float64 attention: the
+    reference's decodes and prompts, its decode path for short runs, and the C
+    kernel over a float32 and a bfloat16 cache. Scores reach about 10 against a
+    cap of 2, so a backend that ignored the cap would be far off."""
+    rng = np.random.default_rng(dim + 1)
+    block_size, num_blocks, cap, scale = 16, 300, 2.0, dim ** -0.5
+    layout = _mixed_layout(rng, 10, block_size, num_blocks)
+    tokens = layout.slot_mapping.shape[0]
+    gen = torch.Generator().manual_seed(dim)
+    q = 3 * torch.randn(tokens, heads, dim, generator=gen)
+    k, v = (torch.randn(tokens, kv_heads, dim, generator=gen) for _ in range(2))
+    cache = [torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen) for _ in range(2)]
+    short_runs_as_decodes = TorchPagedBackend()
+    short_runs_as_decodes.max_decode_query_len = 16
+    for backend, dtype in ((TorchPagedBackend(), torch.float32),
+                           (short_runs_as_decodes, torch.float32),
+                           (CpuPagedBackend(ops), torch.float32),
+                           (CpuPagedBackend(ops), torch.bfloat16)):
+        k_cache, v_cache = (c.to(dtype) for c in cache)
+        out = backend.forward(q, k, v, (k_cache, v_cache),
+                              backend.build_metadata(layout, torch.device("cpu")),
+                              scale=scale, sliding_window=window, logit_softcap=cap)
+        expected = dense_attention(q, k_cache, v_cache, layout, scale, window, cap)
+        uncapped = dense_attention(q, k_cache, v_cache, layout, scale, window, None)
+        assert (expected - uncapped).abs().max() > 0.5
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("context, run, window, softcap", [
+    (37, 6, None, None), (0, 45, None, None), (21, 30, None, None), (40, 12, 19, None),
+    (21, 30, None, 2.0)])
+def test_a_run_of_query_tokens_attends_as_its_decodes_would(ops, context, run, window, softcap):
     """A verified run of drafts, or a prompt chunk (tiled with its neighbours,
     across block boundaries), gets bit for bit the attention its tokens would
     get decoded one per step: the speculative outputs' exactness and batch
@@ -142,13 +177,14 @@ def test_a_run_of_query_tokens_attends_as_its_decodes_would(ops, context, run, w
     together = backend.forward(
         q, k, v, cache, backend.build_metadata(BatchLayout(
             np.array([0, run]), np.array([context]), np.array([context + run]), table, slots,
-            block_size), torch.device("cpu")), scale=dim ** -0.5, sliding_window=window)
+            block_size), torch.device("cpu")), scale=dim ** -0.5, sliding_window=window,
+        logit_softcap=softcap)
     for i in range(run):
         alone = backend.forward(
             q[i:i + 1], k[i:i + 1], v[i:i + 1], cache, backend.build_metadata(BatchLayout(
                 np.array([0, 1]), np.array([context + i]), np.array([context + i + 1]), table,
                 slots[i:i + 1], block_size), torch.device("cpu")),
-            scale=dim ** -0.5, sliding_window=window)
+            scale=dim ** -0.5, sliding_window=window, logit_softcap=softcap)
         assert torch.equal(alone[0], together[i])
 
 

@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import dense_attention  # noqa: E402
+
 from inflight.attention.backend import BatchLayout  # noqa: E402
 from inflight.attention.torch_paged import TorchPagedBackend  # noqa: E402
 from inflight.attention.triton_paged import TritonPagedBackend  # noqa: E402
@@ -112,6 +114,31 @@ def test_split_keys_including_empty_splits(dtype, invariant, block_size):
     ref, got, ref_cache, got_cache = run_both(layout, 8, 2, 32, None, dtype, num_blocks, backend)
     assert all(torch.equal(r, g) for r, g in zip(ref_cache, got_cache))
     assert (got - ref).abs().max().item() <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_soft_capped_scores_match_plain_attention(window):
+    """Gemma 2's attention-logit soft cap on a small mixed step (a decode, a
+    whole prompt, a chunk with cached context) against plain float64
+    attention; scores reach about 10 against a cap of 2, so ignoring the cap
+    would be far off."""
+    heads, kv_heads, dim, num_blocks, cap = 4, 2, 16, 12, 2.0
+    layout = make_layout([20, 0, 5], [1, 9, 6], 8, num_blocks, np.random.default_rng(3))
+    tokens = layout.slot_mapping.shape[0]
+    gen = torch.Generator().manual_seed(3)
+    q = 2 * torch.randn(tokens, heads, dim, generator=gen)
+    k, v = (torch.randn(tokens, kv_heads, dim, generator=gen) for _ in range(2))
+    cache = [torch.randn(kv_heads, num_blocks, 8, dim, generator=gen).to(DEVICE)
+             for _ in range(2)]
+    backend = TritonPagedBackend(heads, kv_heads)
+    got = backend.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cache,
+                          backend.build_metadata(layout, DEVICE), scale=dim ** -0.5,
+                          sliding_window=window, logit_softcap=cap).cpu()
+    cache = [c.cpu() for c in cache]
+    expected = dense_attention(q, *cache, layout, dim ** -0.5, window, cap)
+    uncapped = dense_attention(q, *cache, layout, dim ** -0.5, window, None)
+    assert (expected - uncapped).abs().max() > 0.5
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-5)
 
 
 def test_padding_slots_are_skipped_and_empty_rows_are_zero():

@@ -320,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "int8, w8a8, q8_0, q4_0, q4_1")
     kn.add_argument("--kv-dtype", default="float32",
                     help="comma list of KV cache dtypes for attention: float32, bfloat16")
+    kn.add_argument("--logit-softcap", default="0",
+                    help="comma list of attention-logit soft caps (0: none; Gemma 2: 50)")
     kn.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     kn.add_argument("--repeats", type=int, default=5, help="passes per figure (the best kept)")
     kn.add_argument("--num-threads", type=int, default=None,

@@ -73,6 +73,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any, *,
-                scale: float, sliding_window: int | None) -> torch.Tensor:
+                scale: float, sliding_window: int | None,
+                logit_softcap: float | None = None) -> torch.Tensor:
         """Store k/v ``[T, Hkv, D]`` into the cache, then attend q ``[T, Hq, D]``
-        causally over each request's context; returns ``[T, Hq * D]``."""
+        causally over each request's context; returns ``[T, Hq * D]``. Scores
+        are ``scale * q . k``, then with ``logit_softcap`` (Gemma 2)
+        ``logit_softcap * tanh(score / logit_softcap)``, then masked and
+        normalised."""

@@ -41,10 +41,12 @@ class CpuPagedBackend(TorchPagedBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: CpuPagedMetadata, *,
-                scale: float, sliding_window: int | None) -> torch.Tensor:
+                scale: float, sliding_window: int | None,
+                logit_softcap: float | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.ops.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         self.ops.paged_attention(q, out, k_cache, v_cache, metadata.block_table,
-                                 metadata.row_tables, metadata.seq_lens, scale, sliding_window)
+                                 metadata.row_tables, metadata.seq_lens, scale, sliding_window,
+                                 logit_softcap)
         return out

@@ -12,7 +12,8 @@ that little time goes to padding. A request with a few query tokens (up to
 decodes, each over the keys up to its own position, which is causal attention
 since the step's K/V are written first. Requests with more query tokens
 (prompts and prompt chunks) go through ``scaled_dot_product_attention`` one by
-one, reading fresh K/V directly when they have no cached context.
+one, reading fresh K/V directly when they have no cached context; with a logit
+soft cap, which that function cannot apply, through explicit matrix products.
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ class TorchPagedBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: TorchPagedMetadata, *,
-                scale: float, sliding_window: int | None) -> torch.Tensor:
+                scale: float, sliding_window: int | None,
+                logit_softcap: float | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         num_kv_heads, _, _, head_dim = k_cache.shape
         self._write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -207,7 +209,8 @@ class TorchPagedBackend(AttentionBackend):
         num_tokens, num_heads, _ = q.shape
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if metadata.decodes is not None:
-            self._attend_decodes(q, out, k_cache, v_cache, metadata.decodes, scale, sliding_window)
+            self._attend_decodes(q, out, k_cache, v_cache, metadata.decodes, scale, sliding_window,
+                                 logit_softcap)
         for p in metadata.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if p.blocks is None:
@@ -220,8 +223,12 @@ class TorchPagedBackend(AttentionBackend):
                 vp = v_cache.index_select(1, p.blocks).view(
                     num_kv_heads, -1, head_dim)[:, :kv_len].unsqueeze(0)
             mask = p.mask(sliding_window, q.device)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
-                                               scale=scale, enable_gqa=True)
+            if logit_softcap is None:
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask,
+                                                   is_causal=mask is None, scale=scale,
+                                                   enable_gqa=True)
+            else:
+                o = _soft_capped_attention(qp, kp, vp, mask, scale, logit_softcap)
             out[p.start:p.end] = o.squeeze(0).transpose(0, 1).reshape(p.end - p.start, -1)
         return out
 
@@ -235,18 +242,19 @@ class TorchPagedBackend(AttentionBackend):
 
     def _attend_decodes(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, batches: list[_DecodeBatch], scale: float,
-                        window: int | None) -> None:
+                        window: int | None, softcap: float | None) -> None:
         """Write the attention output of every decode token into ``out``."""
         for batch in batches:
             if batch.rows is None:
-                out.copy_(self._decode(q, k_cache, v_cache, batch, scale, window))
+                out.copy_(self._decode(q, k_cache, v_cache, batch, scale, window, softcap))
             else:
                 out[batch.rows] = self._decode(q[batch.rows], k_cache, v_cache, batch, scale,
-                                               window)
+                                               window, softcap)
 
     @staticmethod
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                batch: _DecodeBatch, scale: float, window: int | None) -> torch.Tensor:
+                batch: _DecodeBatch, scale: float, window: int | None,
+                softcap: float | None) -> torch.Tensor:
         num_kv_heads, _, block_size, head_dim = k_cache.shape
         num_seqs, num_heads, _ = q.shape
         group = num_heads // num_kv_heads
@@ -255,7 +263,23 @@ class TorchPagedBackend(AttentionBackend):
         values = v_cache.index_select(1, index).view(num_kv_heads, num_seqs, -1, head_dim)
         qg = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(scale)
+        if softcap is not None:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
         scores.add_(batch.mask(window, scores.dtype))
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, values)  # [Hkv, Bd, G, D]
         return out.transpose(0, 1).reshape(num_seqs, num_heads * head_dim)
+
+
+def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None, scale: float, softcap: float) -> torch.Tensor:
+    """Attention of q ``[1, Hq, n, D]`` over k/v ``[1, Hkv, L, D]`` with scores
+    ``softcap * tanh(scale * q . k / softcap)``; ``mask`` as ``_Prefill.mask``
+    gives it (boolean ``[n, L]``, True = attend; None = causal, L = n)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).div_(softcap).tanh_().mul_(softcap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)

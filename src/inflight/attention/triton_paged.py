@@ -14,7 +14,8 @@ and one KV head, and packs the tile's tokens times the heads that share that
 KV head (grouped-query attention) into the ``BLOCK_M`` rows of one matrix
 product per key tile. Keys are visited in tiles of ``BLOCK_N`` absolute
 positions through the request's block table; causality, the sliding window and
-the sequence end are masks. A prompt chunk with cached context, a whole prompt
+the sequence end are masks, applied after Gemma 2's logit soft cap where a layer
+has one. A prompt chunk with cached context, a whole prompt
 and a single decode token are the same case.
 
 When a step has too few tiles to fill the GPU (a decode-heavy step), the keys of
@@ -83,16 +84,18 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                       tile_seq_ptr, tile_q_start_ptr, query_start_loc_ptr, seq_lens_ptr,
                       block_table_ptr,
-                      scale_log2, window, num_splits, tiles_per_split,
+                      scale_log2, softcap_log2, window, num_splits, tiles_per_split,
                       stride_qt, stride_qh, stride_ot, stride_oh,
                       stride_ch, stride_cb, stride_ct, stride_bt,
                       stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_mh,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
                       PRECISION: tl.constexpr):
     """Program (tile, KV head, split): the tile's query rows against the keys of
-    its split (all keys when not SPLIT), online softmax in float32 (base 2)."""
+    its split (all keys when not SPLIT), online softmax in float32 (base 2).
+    With SOFTCAP, scores (in base-2 units) become ``softcap_log2 *
+    tanh(score / softcap_log2)``: the cap in natural units, times log2(e)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -145,6 +148,12 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, pa
         k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if SOFTCAP:
+            # tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) = 2^(-2|x| log2(e))
+            x = qk / softcap_log2
+            e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)
+            tanh = (1.0 - e) / (1.0 + e)
+            qk = softcap_log2 * tl.where(x < 0, -tanh, tanh)
         visible = key_valid[None, :] & (pos[None, :] <= q_pos[:, None])
         visible = visible & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
         qk = tl.where(visible, qk, float("-inf"))
@@ -318,7 +327,8 @@ class TritonPagedBackend(TorchPagedBackend):
     # ------------------------------------------------------------- kernels
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: TritonPagedMetadata, *,
-                scale: float, sliding_window: int | None) -> torch.Tensor:
+                scale: float, sliding_window: int | None,
+                logit_softcap: float | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         num_tokens, num_heads, head_dim = q.shape
         block_d = max(16, triton.next_power_of_2(head_dim))
@@ -338,7 +348,8 @@ class TritonPagedBackend(TorchPagedBackend):
             q, k_cache, v_cache, out_view, part_acc, part_ml,
             metadata.tile_seq, metadata.tile_q_start, metadata.query_start_loc,
             metadata.seq_lens, metadata.block_table,
-            scale * math.log2(math.e), sliding_window or 0, metadata.num_splits,
+            scale * math.log2(math.e), (logit_softcap or 0.0) * math.log2(math.e),
+            sliding_window or 0, metadata.num_splits,
             metadata.tiles_per_split,
             q.stride(0), q.stride(1), out_view.stride(0), out_view.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -348,7 +359,7 @@ class TritonPagedBackend(TorchPagedBackend):
             GROUP=self.group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=metadata.block_m,
             BLOCK_Q=_block_q(metadata.block_m, self.group),
             BLOCK_N=BLOCK_N if head_dim <= 128 else 32, BLOCK_SIZE=block_size, SPLIT=split,
-            PRECISION=precision, num_warps=4)
+            SOFTCAP=logit_softcap is not None, PRECISION=precision, num_warps=4)
         if split:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out_view, part_acc, part_ml, metadata.num_splits,

@@ -21,6 +21,9 @@ of the model's shapes (its ``config.json`` only; no weights are loaded):
   each (causal), its blocks random, as FLOP/s (4 x head_dim x heads per
   query-key pair).
 
+Attention runs once per ``--logit-softcap`` value (0: none; Gemma 2's 50 caps
+every score with a tanh before the softmax).
+
 Each figure is the best of ``--repeats`` passes. The kernels are the build
 ``ops.cpu_isa`` chooses (``INFLIGHT_CPU_ISA`` picks another).
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -109,8 +113,8 @@ def _caches(cfg: ModelConfig, num_blocks: int, block_size: int,
 
 
 def _attention_pass(ops: CpuOps, cfg: ModelConfig, caches: list[tuple[torch.Tensor, ...]],
-                    tables: np.ndarray, row_tables: np.ndarray,
-                    seq_lens: np.ndarray) -> Callable[[], None]:
+                    tables: np.ndarray, row_tables: np.ndarray, seq_lens: np.ndarray,
+                    softcap: float) -> Callable[[], None]:
     heads, d = cfg.num_attention_heads, cfg.head_dim
     q = torch.randn(len(seq_lens), heads, d)
     out = torch.empty(len(seq_lens), heads * d)
@@ -119,7 +123,7 @@ def _attention_pass(ops: CpuOps, cfg: ModelConfig, caches: list[tuple[torch.Tens
     def one_pass() -> None:
         for k_cache, v_cache in caches:
             ops.paged_attention(q, out, k_cache, v_cache, tables, row_tables, seq_lens, scale,
-                                None)
+                                None, softcap or None)
     return one_pass
 
 
@@ -134,35 +138,52 @@ def _block_tables(seqs: int, blocks_per_seq: int, order: str,
 
 
 def decode_attention(ops: CpuOps, cfg: ModelConfig, seqs: int, context: int, block_size: int,
-                     order: str, repeats: int,
-                     kv_dtype: torch.dtype = torch.float32) -> KernelResult:
+                     order: str, repeats: int, kv_dtype: torch.dtype = torch.float32,
+                     softcap: float = 0.0) -> KernelResult:
     tables, num_blocks = _block_tables(seqs, -(-context // block_size), order, seed=seqs)
     caches = _caches(cfg, num_blocks, block_size, kv_dtype)
     seq_lens = np.full(seqs, context, dtype=np.int64)
     one_pass = _attention_pass(ops, cfg, caches, tables, np.arange(seqs, dtype=np.int64),
-                               seq_lens)
+                               seq_lens, softcap)
     element = caches[0][0].element_size()
     kv_bytes = 2 * seqs * context * cfg.num_key_value_heads * cfg.head_dim * element
     flops = 4 * seqs * context * cfg.num_attention_heads * cfg.head_dim
-    return KernelResult("decode attention", f"{seqs}x{context} {order}{_kv_label(kv_dtype)}",
+    return KernelResult("decode attention",
+                        f"{seqs}x{context} {order}{_kv_label(kv_dtype)}{_cap_label(softcap)}",
                         best_seconds(one_pass, repeats), kv_bytes * cfg.num_hidden_layers,
                         flops * cfg.num_hidden_layers)
 
 
 def prompt_attention(ops: CpuOps, cfg: ModelConfig, seqs: int, prompt: int, block_size: int,
-                     repeats: int, kv_dtype: torch.dtype = torch.float32) -> KernelResult:
+                     repeats: int, kv_dtype: torch.dtype = torch.float32,
+                     softcap: float = 0.0) -> KernelResult:
     tables, num_blocks = _block_tables(seqs, -(-prompt // block_size), "random", seed=seqs)
     caches = _caches(cfg, num_blocks, block_size, kv_dtype)
     seq_lens = np.tile(np.arange(1, prompt + 1, dtype=np.int64), seqs)
     row_tables = np.repeat(np.arange(seqs, dtype=np.int64), prompt)
-    one_pass = _attention_pass(ops, cfg, caches, tables, row_tables, seq_lens)
+    one_pass = _attention_pass(ops, cfg, caches, tables, row_tables, seq_lens, softcap)
     flops = 4 * int(seq_lens.sum()) * cfg.num_attention_heads * cfg.head_dim
-    return KernelResult("prompt attention", f"{seqs}x{prompt}{_kv_label(kv_dtype)}",
+    return KernelResult("prompt attention",
+                        f"{seqs}x{prompt}{_kv_label(kv_dtype)}{_cap_label(softcap)}",
                         best_seconds(one_pass, repeats), 0.0, flops * cfg.num_hidden_layers)
 
 
 def _kv_label(dtype: torch.dtype) -> str:
     return "" if dtype == torch.float32 else " bf16"
+
+
+def _cap_label(softcap: float) -> str:
+    return f" cap {softcap:g}" if softcap else ""
+
+
+def _caps(text: str) -> list[float]:
+    try:
+        caps = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        caps = []
+    if not caps or not all(math.isfinite(cap) and cap >= 0 for cap in caps):
+        raise ValueError(f"--logit-softcap takes a comma list of caps (0: none), got {text!r}")
+    return caps
 
 
 def _choices(text: str, option: str, allowed: tuple[str, ...]) -> list[str]:
@@ -205,6 +226,7 @@ def command(args: argparse.Namespace) -> int:
     formats = _choices(args.weights, "--weights", WEIGHT_FORMATS)
     kv_dtypes = [getattr(torch, name) for name in _choices(args.kv_dtype, "--kv-dtype",
                                                            ("float32", "bfloat16"))]
+    caps = _caps(args.logit_softcap)
     if args.block_size < 1 or args.repeats < 1:
         raise ValueError("--block-size and --repeats must be at least 1")
     lib = load_library()
@@ -218,10 +240,10 @@ def command(args: argparse.Namespace) -> int:
     for fmt in formats:
         results += linear(ops if fmt == "float32" else QuantOps(lib, fmt), cfg, rows,
                           args.repeats, "" if formats == ["float32"] else f" {fmt}")
-    results += [decode_attention(ops, cfg, s, c, args.block_size, order, args.repeats, kv)
-                for s, c in decodes for order in orders for kv in kv_dtypes]
-    results += [prompt_attention(ops, cfg, s, p, args.block_size, args.repeats, kv)
-                for s, p in prompts for kv in kv_dtypes]
+    results += [decode_attention(ops, cfg, s, c, args.block_size, order, args.repeats, kv, cap)
+                for s, c in decodes for order in orders for kv in kv_dtypes for cap in caps]
+    results += [prompt_attention(ops, cfg, s, p, args.block_size, args.repeats, kv, cap)
+                for s, p in prompts for kv in kv_dtypes for cap in caps]
     bandwidth = results[0].gb_per_second
     print(f"{torch.get_num_threads()} threads, block size {args.block_size}, "
           f"{cfg.num_hidden_layers} layers per pass, the {library_isa(lib).name} kernels")

@@ -2,9 +2,10 @@
 (tanh-approximated GELU), RMSNorms that scale by ``1 + w`` (stored as ``w``;
 we add the 1 once at load), a norm before and after both attention and MLP,
 queries scaled by ``query_pre_attn_scalar ** -0.5``, sliding-window layers
-interleaved with global ones (``layer_types``), and a tanh soft cap on the
-final logits (Gemma 2). Gemma 3 adds per-head q/k norms and gives its local
-and global layers their own rope bases (and scaling)."""
+interleaved with global ones (``layer_types``), and tanh soft caps on the
+attention scores (``attn_logit_softcapping``, applied by the attention
+backend) and on the final logits (Gemma 2). Gemma 3 adds per-head q/k norms
+and gives its local and global layers their own rope bases (and scaling)."""
 
 from __future__ import annotations
 
@@ -81,9 +82,6 @@ class GemmaForCausalLM(CheckpointLoading):
         super().__init__()
         self.config = config
         cfg = config.hf_config
-        if cfg.get("attn_logit_softcapping") is not None:
-            raise ValueError("attention-logit soft-capping (Gemma 2's attn_logit_softcapping) "
-                             "is not supported by the attention backends yet")
         gemma3 = config.architecture == "Gemma3ForCausalLM"
         rotaries = {kind: RotaryEmbedding(config.head_dim, max_positions, base, scaling,
                                           config.max_position_embeddings, dtype)
@@ -91,14 +89,16 @@ class GemmaForCausalLM(CheckpointLoading):
         self.rotaries = nn.ModuleDict(rotaries)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.embed_scale = config.hidden_size ** 0.5
+        softcap = cfg.get("attn_logit_softcapping")
         layers = []
         for i, window in enumerate(config.sliding_windows):
             rotary = rotaries["full_attention" if window is None else "sliding_attention"]
             if gemma3:
                 attn: Attention = QKNormAttention(config, window, backend, ops, rotary, dtype,
-                                                  per_head=True)
+                                                  per_head=True, logit_softcap=softcap)
             else:
-                attn = Attention(config, window, backend, ops, rotary, dtype)
+                attn = Attention(config, window, backend, ops, rotary, dtype,
+                                 logit_softcap=softcap)
             attn.scale = cfg.get("query_pre_attn_scalar", config.head_dim) ** -0.5
             layers.append(GemmaDecoderLayer(config, attn, ops, dtype))
         self.layers = nn.ModuleList(layers)

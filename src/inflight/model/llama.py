@@ -21,9 +21,13 @@ from inflight.ops.torch_ops import TorchOps
 
 
 class Attention(nn.Module):
+    """Fused q/k/v projection, rotary embedding, the backend's paged attention
+    (this layer's ``sliding_window``, and ``logit_softcap``: Gemma 2's tanh cap
+    on the scores), output projection."""
+
     def __init__(self, config: ModelConfig, sliding_window: int | None,
                  backend: AttentionBackend, ops: TorchOps, rotary: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, *, logit_softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -32,6 +36,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.backend = backend
         self.ops = ops
         self.rotary = rotary
@@ -47,9 +52,14 @@ class Attention(nn.Module):
         q, k, v = self.ops.rotary_qkv(self.qkv_proj(x), positions, self.rotary.cos,
                                       self.rotary.sin, self.num_heads, self.num_kv_heads,
                                       self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
-                                   sliding_window=self.sliding_window)
-        return self.o_proj(out)
+        return self.o_proj(self.attend(q, k, v, kv_cache, metadata))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any) -> torch.Tensor:
+        """The backend's attention with this layer's scale, window and soft cap."""
+        return self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
+                                    sliding_window=self.sliding_window,
+                                    logit_softcap=self.logit_softcap)
 
 
 class DecoderLayer(nn.Module):

@@ -41,9 +41,7 @@ class PartialRotaryAttention(Attention):
         q = heads[:, :self.num_heads]
         k = heads[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
-                                   sliding_window=self.sliding_window)
-        return self.o_proj(out)
+        return self.o_proj(self.attend(q, k, v, kv_cache, metadata))
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

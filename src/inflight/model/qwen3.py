@@ -23,8 +23,10 @@ class QKNormAttention(Attention):
 
     def __init__(self, config: ModelConfig, sliding_window: int | None,
                  backend: AttentionBackend, ops: TorchOps, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, *, per_head: bool, clip_qkv: float | None = None) -> None:
-        super().__init__(config, sliding_window, backend, ops, rotary, dtype)
+                 dtype: torch.dtype, *, per_head: bool, clip_qkv: float | None = None,
+                 logit_softcap: float | None = None) -> None:
+        super().__init__(config, sliding_window, backend, ops, rotary, dtype,
+                         logit_softcap=logit_softcap)
         self.per_head, self.clip_qkv = per_head, clip_qkv
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim if per_head else self.q_size, eps, dtype, ops)
@@ -43,9 +45,7 @@ class QKNormAttention(Attention):
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         q, k, v = self.ops.rotary_qkv(qkv, positions, self.rotary.cos, self.rotary.sin,
                                       self.num_heads, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
-                                   sliding_window=self.sliding_window)
-        return self.o_proj(out)
+        return self.o_proj(self.attend(q, k, v, kv_cache, metadata))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -42,7 +42,8 @@ _SIGNATURES = {
         _ptr, _i64, _ptr, _i64, _i64,   # q, q_stride, out, out_stride, num_queries
         _ptr, _ptr, _i64, _i64, _i64,   # k_cache, v_cache, kv_bf16, num_blocks, block_size
         _ptr, _ptr, _i64, _ptr,         # block_tables, row_tables, max_blocks, seq_lens
-        _i64, _i64, _i64, _f32, _i64]),  # heads, kv heads, head_dim, scale, window
+        _i64, _i64, _i64, _f32, _i64,   # heads, kv heads, head_dim, scale, window
+        _f32]),                         # logit soft cap, 0: none
     "inflight_pack_weight_f32": (None, [_ptr, _ptr, _i64, _i64]),
     "inflight_linear_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
     "inflight_write_kv": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64,
@@ -186,12 +187,14 @@ class CpuOps(TorchOps):
 
     def paged_attention(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_table: np.ndarray, row_tables: np.ndarray,
-                        seq_lens: np.ndarray, scale: float, window: int | None) -> None:
+                        seq_lens: np.ndarray, scale: float, window: int | None,
+                        softcap: float | None = None) -> None:
         """Attention of query token ``s`` (row ``s`` of q ``[T, heads, head_dim]``,
         rows may be strided) over the first ``seq_lens[s]`` positions of the
         sequence whose blocks are ``block_table[row_tables[s]]``, into row ``s``
         of ``out`` ``[T, heads * head_dim]``; a bfloat16 cache is widened to
-        float32 as it is read."""
+        float32 as it is read. With ``softcap``, scaled scores ``s`` become
+        ``softcap * tanh(s / softcap)`` before the softmax."""
         num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         assert q.stride(2) == 1 and q.stride(1) == head_dim
         status = self._attention(
@@ -199,7 +202,7 @@ class CpuOps(TorchOps):
             k_cache.data_ptr(), v_cache.data_ptr(), _kv_bf16(k_cache), num_blocks, block_size,
             block_table.ctypes.data, row_tables.ctypes.data, block_table.shape[1],
             seq_lens.ctypes.data, out.shape[1] // head_dim, num_kv_heads, head_dim, scale,
-            window or 0)
+            window or 0, softcap or 0.0)
         if status == -2:
             raise ValueError("the CPU attention kernel takes at most 16 query heads per KV head")
         if status != 0:

@@ -41,6 +41,18 @@ static inline float exp_nonpositive(float x)
     return p * two_n.f;
 }
 
+/* row[t] = cap * tanh(row[t] / cap) for n scores (Gemma 2's attention-logit
+ * soft cap), tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) from
+ * exp_nonpositive, so the loop vectorises; absolute error about 2e-7 cap. */
+static inline void soft_cap(float *row, int64_t n, float cap)
+{
+#pragma omp simd
+    for (int64_t t = 0; t < n; t++) {
+        const float x = row[t] / cap, e = exp_nonpositive(-2.0f * fabsf(x));
+        row[t] = cap * copysignf((1.0f - e) / (1.0f + e), x);
+    }
+}
+
 /* Lane j: hsum8(a[j]), added in the same order, for 8 vectors at once (the
  * halves of each added first, then pairs, as hsum8 does). */
 static inline __attribute__((always_inline)) v8f hsum8_each(const v8f a[8])
@@ -180,7 +192,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     const float *const *qh, float *const *oh, const int64_t *first, const int64_t *lens,
     int count, const void *kh, const void *vh, int kv16, const int64_t *table,
     int64_t block_size, int64_t block_stride, int64_t group, int64_t head_dim, float scale,
-    float *scores)
+    float softcap, float *scores)
 {
     const int64_t lo_all = first[0], hi_all = lens[count - 1], span = hi_all - lo_all;
     const int64_t first_block = lo_all / block_size, last_block = (hi_all - 1) / block_size;
@@ -215,6 +227,8 @@ static inline __attribute__((always_inline)) void attend_tile(
         const int64_t n = lens[i] - first[i];
         for (int64_t g = 0; g < group; g++) {
             float *row = scores + (i * group + g) * span + (first[i] - lo_all);
+            if (softcap > 0.0f)
+                soft_cap(row, n, softcap);
             float max = -INFINITY;  /* the same whatever the order: vectorised */
 #pragma omp simd reduction(max:max)
             for (int64_t t = 0; t < n; t++)
@@ -277,7 +291,8 @@ static inline __attribute__((always_inline)) void attend_tile(
  * block by block: nothing is gathered or padded. A prompt's tokens are queries
  * with increasing seq_lens (causal attention); up to ATTENTION_TILE
  * consecutive ones of a sequence share each block load, and each is computed
- * exactly as its decode would be. Returns -1 if scratch memory ran out, -2 for
+ * exactly as its decode would be. With softcap > 0 each scaled score s
+ * becomes softcap * tanh(s / softcap) before the softmax (0: none). Returns -1 if scratch memory ran out, -2 for
  * more than 16 query heads per KV head.
  */
 int inflight_paged_attention(
@@ -286,7 +301,7 @@ int inflight_paged_attention(
     int64_t block_size,
     const int64_t *block_tables, const int64_t *row_tables, int64_t max_blocks,
     const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window)
+    float scale, int64_t window, float softcap)
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t head_stride = num_blocks * block_size * head_dim;
@@ -344,7 +359,7 @@ int inflight_paged_attention(
                 const void *vh = kv_at(v_cache, h * head_stride, kv16);
 #define ATTEND(kv16_, head_dim_) attend_tile(qh, oh, first, lens, count, kh, vh, kv16_, table, \
                                              block_size, block_stride, group, head_dim_, scale, \
-                                             scores)
+                                             softcap, scores)
                 if (kv16) {
                     if (head_dim == 64)
                         ATTEND(1, 64);

@@ -10,7 +10,7 @@ int inflight_paged_attention(
     int64_t block_size,
     const int64_t *block_tables, const int64_t *row_tables, int64_t max_blocks,
     const int64_t *seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window);
+    float scale, int64_t window, float softcap);
 void inflight_linear_f32(const float *x, const float *packed, const float *bias, float *y,
                          int64_t m, int64_t n, int64_t k);
 void inflight_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,

@@ -123,7 +123,8 @@ int inflight_decoder_layers(const inflight_model *m, const inflight_layer *layer
         status = inflight_paged_attention(
             s->qkv, width, s->attn, q_size, t, layer->k_cache, layer->v_cache, m->kv_bf16,
             m->num_blocks, m->block_size, s->block_table, s->row_tables, s->max_blocks,
-            s->seq_lens, m->num_heads, m->num_kv_heads, d, m->scale, layer->window);
+            s->seq_lens, m->num_heads, m->num_kv_heads, d, m->scale, layer->window,
+            0.0f /* the Llama family's logits are not soft-capped */);
         if (status != 0)
             return status;
         lap(seconds, TIME_ATTENTION, &mark);
