@@ -71,7 +71,13 @@ def test_backpressure_and_queue_timeout_leave_background_requests_alone(default_
 
     async def main() -> tuple[list[list[int]], list[int]]:
         batch = [asyncio.create_task(collect(p, 64, background=True)) for p in PROMPTS]
-        await asyncio.sleep(0.5)  # four of them wait, far longer than max_queue_wait
+        # All submitted (each is tokenized in a thread first: on a loaded machine
+        # that may take a while), then four of them wait far longer than max_queue_wait.
+        for _ in range(300):
+            if len(engine.step_log.summary()["recent"]) == len(PROMPTS):
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
         assert engine.load().num_background_waiting >= 2
         # /metrics and the dashboard tell them apart from interactive requests.
         metrics = EngineMetrics("m")
