@@ -4,6 +4,7 @@ and a reference greedy decoder that runs transformers directly."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,20 @@ def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 scores = softcap * torch.tanh(scores / softcap)
             out.append(torch.einsum("hn,hnd->hd", scores.softmax(-1), v).reshape(-1))
     return torch.stack(out)
+
+
+class FixedProposer:
+    """A speculator's proposer for tests: drafts the same tokens whatever the
+    context (often rejected)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
+        return self.tokens[:k]
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def learn(self, output_token_ids: Sequence[int]) -> None:
+        pass

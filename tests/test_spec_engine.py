@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
 
 import pytest
+from helpers import FixedProposer
 from inflight import LLM, SamplingParams
 from inflight.spec_decode.config import SpeculativeConfig
 from inflight.spec_decode.speculator import Speculator
@@ -56,22 +56,6 @@ def test_suffix_drafts_learn_from_finished_outputs(tiny_model):
     totals = spec.engine.speculator.totals
     again = totals.num_accepted_tokens - first
     assert again > first and again > 0.5 * len(PROMPTS) * 39
-
-
-class FixedProposer:
-    """Drafts the same tokens whatever the context (often rejected)."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens = tokens
-
-    def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
-        return self.tokens[:k]
-
-    def forget(self, request_id: str) -> None:
-        pass
-
-    def learn(self, output_token_ids: Sequence[int]) -> None:
-        pass
 
 
 def with_proposer(engine: LLM, proposer, k: int) -> LLM:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import jsonschema
 import pytest
-from helpers import random_prompts
+from helpers import FixedProposer, random_prompts
 
 from inflight import LLM, BeamSearchParams, SamplingParams
 from inflight.core.request import RequestStatus
@@ -121,22 +121,6 @@ def test_async_scheduling_changes_no_constrained_output(tiny_model):
     kv = engine.engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
     assert not engine.engine.core.structured._sequences
-
-
-class FixedProposer:
-    """Drafts the same tokens whatever the context."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens = tokens
-
-    def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
-        return self.tokens[:k]
-
-    def forget(self, request_id: str) -> None:
-        pass
-
-    def learn(self, output_token_ids: Sequence[int]) -> None:
-        pass
 
 
 def test_speculation_changes_no_constrained_output(tiny_model):
