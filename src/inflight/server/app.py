@@ -9,10 +9,10 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
-from contextlib import asynccontextmanager
-
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -59,6 +59,11 @@ def build_app(engine: EngineClient, *, model_name: str, metrics: MetricsSource,
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # A streaming response's first task group imports anyio's asyncio
+        # backend (tens of ms): here, before the server is ready, not in the
+        # first request's time to first token.
+        async with anyio.create_task_group():
+            pass
         if batches is not None:
             await batches.start()
         try:
