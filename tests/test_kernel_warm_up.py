@@ -79,9 +79,9 @@ def test_no_step_launches_a_kernel_the_warm_up_did_not(tiny_model, monkeypatch):
     assert {k[0] for k in after_warm_up} >= {"_attention_kernel", "_merge_splits_kernel",
                                              "_write_kv_kernel"}
     # Steps of every kind: prompts of odd and even lengths chunked by the
-    # budget, decodes of 1 to 6 requests, contexts long enough to split keys.
+    # budget, decodes of 1 to 6 requests, contexts past one split's 256 keys.
     rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(1, 300, size=n)) for n in (1, 7, 13, 33, 200, 497)]
+    prompts = [list(rng.integers(1, 300, size=n)) for n in (1, 7, 13, 33, 200, 297)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
               for m in (3, 9, 5, 17, 2, 14)]
     llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], params,

@@ -6,6 +6,7 @@ machine's matmul roofline that the engine reaches."""
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -239,8 +240,19 @@ def run_hf_continuous(model_dir: Path, requests: list[BenchRequest], *, ignore_e
         do_sample=False, max_new_tokens=max(r.max_tokens for r in requests),
         eos_token_id=None if ignore_eos else eos_token_ids, pad_token_id=0)
     outputs: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    if "workload_hints" in inspect.signature(model.continuous_batching_context_manager).parameters:
+        # Its own way (newer transformers) to size the cache and batch for the
+        # workload instead of for all free memory, whose warm-up fills buffers
+        # of that size; every request still fits at once.
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        options["workload_hints"] = WorkloadHints(
+            max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
+            max_generated_length=max(r.max_tokens for r in requests),
+            num_requests=len(requests))
     with model.continuous_batching_context_manager(generation_config=config, block=True,
-                                                   timeout=60) as manager:
+                                                   timeout=60, **options) as manager:
         start = time.perf_counter()
         for i, r in enumerate(requests):
             manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.max_tokens)
