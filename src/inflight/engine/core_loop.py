@@ -32,6 +32,7 @@ from inflight.engine.engine_core import EngineCore
 from inflight.engine.messages import (AbortRequests, AddRequest, CoreEvent, CoreFailed, CoreOp,
                                       CoreOutputs, CoreReady, FinishSequences, RequestEnded,
                                       Shutdown, UtilityCall, UtilityReply)
+from inflight.engine.warm_up_request import serve_warm_up_request
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ def serve_core(config: EngineConfig, context: zmq.Context, ops_address: str,
             source = model_source(config)
             core = build_engine_core(config, source=source)
             model_dir = str(source.model_dir)
+            logger.info("served a warm-up request in %.0f ms", 1000 * serve_warm_up_request(core))
         else:
             core = build(config)
             model_dir = ""
