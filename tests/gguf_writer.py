@@ -6,13 +6,16 @@ permuted for the ``llama`` architecture only, experts stacked
 ``[n_expert, rows, cols]``, Gemma's norm weights stored as ``1 + w``, Phi-3's
 fused q/k/v and gate/up kept fused and its LongRoPE factors written as
 tensors, the metadata keys each family's converter writes, and a byte-level
-BPE vocabulary padded to the model's vocabulary size."""
+BPE vocabulary padded to the model's vocabulary size, or a SentencePiece one
+(``tokenizer.ggml.model`` "llama": tokens, scores, token types, as for Llama 2
+or Gemma)."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +33,112 @@ GGUF_ARCH = {
 }
 
 
-def write_gguf(model_dir: Path, path: Path, qtype: gguf.GGMLQuantizationType | None = None
-               ) -> dict[str, np.ndarray]:
+@dataclass
+class SentencePieceVocab:
+    """A SentencePiece vocabulary as llama.cpp's converter writes it."""
+
+    tokens: list[str]
+    scores: list[float]
+    types: list[gguf.TokenType]
+    bos: int
+    eos: int
+    unk: int
+    pad: int | None = None
+    add_space_prefix: bool | None = None  # written when set (Gemma's converter: False)
+    chat_template: str | None = None
+    merges: list[str] | None = None  # llama.cpp writes none for SentencePiece
+
+    def write(self, writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(self.tokens)
+        writer.add_token_scores(self.scores)
+        writer.add_token_types(self.types)
+        writer.add_bos_token_id(self.bos)
+        writer.add_eos_token_id(self.eos)
+        writer.add_unk_token_id(self.unk)
+        if self.pad is not None:
+            writer.add_pad_token_id(self.pad)
+        writer.add_add_bos_token(True)
+        writer.add_add_eos_token(False)
+        if self.add_space_prefix is not None:
+            writer.add_add_space_prefix(self.add_space_prefix)
+        if self.chat_template is not None:
+            writer.add_chat_template(self.chat_template)
+        if self.merges is not None:
+            writer.add_token_merges(self.merges)
+
+
+SPACE = "\u2581"
+GEMMA_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+                       "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def sentencepiece_vocab(style: str, size: int) -> SentencePieceVocab:
+    """A small SentencePiece vocabulary of ``size`` tokens laid out as Llama 2's
+    (``style`` "llama": <unk> <s> </s>, the 256 byte tokens, pieces scored by
+    merge order, a space prefix) or Gemma's ("gemma": <pad> <eos> <bos> <unk>
+    <mask> and turn markers, bytes, pieces with scores against their
+    order, runs of spaces stored as spaces and a newline piece, no
+    space prefix); both with a user-defined <think> and ``[PAD{i}]`` up to
+    ``size``, as llama.cpp pads. The pieces are a BPE trained on a few
+    sentences, merges first, single characters last."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace()
+    corpus = ["the quick brown fox jumps over the lazy dog",
+              "continuous batching keeps every slot busy in 2024",
+              "paged attention stores keys and values in blocks of 16"] * 20
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=90, show_progress=False))
+    learned = sorted(bpe.get_vocab().items(), key=lambda item: item[1])
+    pieces = ([t for t, _ in learned if len(t) > 1] + [t for t, _ in learned if len(t) == 1])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    normal, control, unknown = gguf.TokenType.NORMAL, gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN
+    if style == "llama":
+        head = [("<unk>", unknown), ("<s>", control), ("</s>", control)]
+        pieces = [SPACE * 2, *pieces]
+        tail = [("<start_of_turn>", control), ("<end_of_turn>", control)]
+    else:
+        head = [("<pad>", control), ("<eos>", control), ("<bos>", control), ("<unk>", unknown),
+                ("<mask>", control), ("<start_of_turn>", control), ("<end_of_turn>", control)]
+        pieces = [" " * 2, " " * 3, "\n", *pieces]
+        tail = []
+    tail.append(("<think>", gguf.TokenType.USER_DEFINED))
+    tokens = ([t for t, _ in head] + byte_tokens + pieces + [t for t, _ in tail])
+    types = ([k for _, k in head] + [gguf.TokenType.BYTE] * 256 + [normal] * len(pieces)
+             + [k for _, k in tail])
+    if style == "llama":
+        scores = [0.0] * (len(head) + 256) + [-float(i) for i in range(len(pieces))]
+    else:  # rising where the merges' order falls
+        scores = [0.0] * (len(head) + 256) + [float(i) for i in range(len(pieces))]
+    scores += [0.0] * len(tail)
+    if len(tokens) > size:
+        raise ValueError(f"the {style} vocabulary has {len(tokens)} tokens, more than {size}")
+    padding = range(len(tokens), size)
+    tokens += [f"[PAD{i}]" for i in padding]
+    scores += [-1000.0] * len(padding)
+    types += [gguf.TokenType.UNUSED] * len(padding)
+    if style == "llama":
+        return SentencePieceVocab(tokens, scores, types, bos=1, eos=2, unk=0)
+    return SentencePieceVocab(tokens, scores, types, bos=2, eos=1, unk=3, pad=0,
+                              add_space_prefix=False, chat_template=GEMMA_CHAT_TEMPLATE)
+
+
+def write_gguf(model_dir: Path, path: Path, qtype: gguf.GGMLQuantizationType | None = None,
+               vocab: SentencePieceVocab | None = None) -> dict[str, np.ndarray]:
     """Write ``model_dir`` to ``path``; matrices in ``qtype`` when given (else
-    F32). Returns the checkpoint's tensors as the file holds them, dequantized
+    F32); with ``vocab`` as its vocabulary, else the directory's byte-level BPE.
+    Returns the checkpoint's tensors as the file holds them, dequantized
     and in Hugging Face layout (the reference weights for a quantized file)."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["architectures"][0]]
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     _write_hparams(writer, arch, config)
-    _write_vocab(writer, model_dir, config["vocab_size"])
+    if vocab is None:
+        _write_vocab(writer, model_dir, config["vocab_size"])
+    else:
+        vocab.write(writer)
     checkpoint = load_file(str(model_dir / "model.safetensors"))
     held = {}
     for name, data in checkpoint.items():

@@ -3,8 +3,8 @@
 The tensors are dequantized with the ``gguf`` package and put back in Hugging
 Face's names and layout per architecture (model.gguf_architectures: llama.cpp's
 q/k row permutation undone, stacked experts and fused tensors split, Gemma's
-norms); config.json comes from the metadata; the BPE tokenizer and chat
-template too (model.gguf_tokenizer).
+norms); config.json comes from the metadata; the tokenizer (byte-level BPE or
+SentencePiece) and chat template too (model.gguf_tokenizer).
 
 The result is an ordinary model directory (config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json), cached on disk so that later starts
