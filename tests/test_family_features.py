@@ -4,9 +4,8 @@ whatever the batch, chunking, preemption (recompute and swap), prefix caching
 and speculation (n-gram and suffix drafts); beam search finds transformers'
 hypotheses; int8 and Q4_0 weights compute what their dequantized values do
 (int8 on the mixtures of experts too), W8A8 stays close; and every KV block
-comes back. The prompts share a prefix
-longer than Gemma's windows of 6, so the sliding layers are served from
-cached and preempted blocks too."""
+comes back. The prompts share a prefix longer than Gemma's windows of 6, so
+the sliding layers are served from cached and preempted blocks too."""
 
 from __future__ import annotations
 
