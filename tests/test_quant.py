@@ -152,7 +152,9 @@ def dequantized_copy(model_dir: Path, out: Path, fmt: str) -> Path:
     config = json.loads((model_dir / "config.json").read_text())
     weights = load_file(str(model_dir / "model.safetensors"))
     for name, w in weights.items():
-        is_linear = name.endswith("proj.weight") or name == "lm_head.weight"
+        # Mixtral's experts: w1 (gate), w2 (down), w3 (up).
+        is_linear = (name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
+                     or name == "lm_head.weight")
         is_tied_embedding = name.endswith("embed_tokens.weight") and config["tie_word_embeddings"]
         if is_linear or is_tied_embedding:
             weights[name] = quantized(fmt, w.float())[1].float().contiguous()
