@@ -84,7 +84,8 @@ def test_default_model_batch_invariance(default_llm):
               for _ in prompts]
     expected = _alone(default_llm, prompts, params)
 
-    tight = LLM(num_kv_blocks=14, max_model_len=224, max_num_batched_tokens=32, max_num_seqs=16)
+    tight = LLM(dtype="float32", num_kv_blocks=14, max_model_len=224, max_num_batched_tokens=32,
+                max_num_seqs=16)
     assert _together_under_pressure(tight, prompts, params) == expected
 
 

@@ -36,16 +36,16 @@ def _tokens(llm: LLM) -> list[int]:
 
 
 def test_dummy_weights_need_no_checkpoint_and_follow_the_seed(config_only):
-    first = LLM(str(config_only), load_format="dummy", kv_cache_memory="4MiB", seed=1)
+    options = {"load_format": "dummy", "dtype": "float32", "kv_cache_memory": "4MiB"}
+    first = LLM(str(config_only), seed=1, **options)
     tokens = _tokens(first)
     model = first.engine.runner.model
     linear = next(p for n, p in model.named_parameters() if p.dim() == 2 and p.numel() > 0)
     bound = linear.shape[-1] ** -0.5
     assert 0.5 * bound < float(linear.abs().max()) <= bound
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert _tokens(LLM(str(config_only), load_format="dummy", kv_cache_memory="4MiB",
-                       seed=1)) == tokens
-    again = LLM(str(config_only), load_format="dummy", kv_cache_memory="4MiB", seed=2)
+    assert _tokens(LLM(str(config_only), seed=1, **options)) == tokens
+    again = LLM(str(config_only), seed=2, **options)
     other = next(p for n, p in again.engine.runner.model.named_parameters()
                  if p.dim() == 2 and p.numel() > 0)
     assert not torch.equal(linear, other)

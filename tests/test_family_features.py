@@ -23,7 +23,7 @@ from inflight import LLM, BeamSearchParams, SamplingParams
 # Families without experts.
 DENSE = ["gemma2", "gemma3", "phi3", "phi4-mini", "qwen3"]
 # Phi-3's LongRoPE short factors hold up to its pretraining length (256).
-OPTIONS = {"max_model_len": 128}
+OPTIONS = {"dtype": "float32", "max_model_len": 128}
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 

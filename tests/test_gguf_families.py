@@ -37,7 +37,7 @@ GGUF_FAMILIES: dict[str, dict] = {
     "gemma3": {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
                "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
 }
-LLM_OPTIONS = {"kv_cache_memory": "8MiB", "max_num_batched_tokens": 24, "max_model_len": 256}
+LLM_OPTIONS = {"dtype": "float32", "kv_cache_memory": "8MiB", "max_num_batched_tokens": 24, "max_model_len": 256}
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
 
 

@@ -129,7 +129,7 @@ def test_space_prefix_follows_the_file(tmp_path):
     assert ours.decode(ids) == "the fox"
 
 
-LLM_OPTIONS = {"kv_cache_memory": "8MiB", "max_model_len": 256}
+LLM_OPTIONS = {"dtype": "float32", "kv_cache_memory": "8MiB", "max_model_len": 256}
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
@@ -161,6 +161,10 @@ def test_sentencepiece_gguf_model_generates_as_transformers(tmp_path, capsys, na
         assert chat.prompt_token_ids == theirs.encode(text, add_special_tokens=False)
         assert chat.prompt_token_ids[:2] == theirs.convert_tokens_to_ids(
             ["<bos>", "<start_of_turn>"])
+    # A generation ends at <end_of_turn> (both vocabularies have it) as at EOS,
+    # as llama.cpp's does: a GGUF file has no generation_config.json to say so.
+    stops = [theirs.eos_token, "<end_of_turn>"]
+    assert llm.engine.eos_token_ids == set(theirs.convert_tokens_to_ids(stops))
     assert main(["generate", "--model", str(path), "--max-tokens", "6", "--kv-cache-memory",
                  "8MiB", "--max-model-len", "256", "the quick brown fox"]) == 0
     printed = capsys.readouterr()

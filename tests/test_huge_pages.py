@@ -52,7 +52,8 @@ def test_a_filled_buffer_lies_on_huge_pages():
 def test_a_loaded_model_reads_its_matrices_from_one_buffer(tiny_model, quantization):
     """Every packed matrix moved into one mapping, in order; a tied embedding
     still reads the output layer's quantized matrix."""
-    llm = LLM(str(tiny_model("llama-gqa")), quantization=quantization, kv_cache_memory="8MiB")
+    llm = LLM(str(tiny_model("llama-gqa")), dtype="float32", quantization=quantization,
+              kv_cache_memory="8MiB")
     model = llm.engine.runner.model
     arrays = [m.packed if quantization is None else m.packed.data
               for m in model.modules() if isinstance(m, Linear)]
@@ -81,7 +82,7 @@ def test_the_machines_setting_decides_whether_weights_move(tiny_model, tmp_path,
 
     if moved and not huge_pages_available():
         pytest.skip("no transparent huge pages on this machine")
-    llm = LLM(str(tiny_model("llama-gqa")), kv_cache_memory="8MiB")
+    llm = LLM(str(tiny_model("llama-gqa")), dtype="float32", kv_cache_memory="8MiB")
     model = llm.engine.runner.model
     before = model.lm_head.packed.clone()
     (tmp_path / "enabled").write_text(setting + "\n")

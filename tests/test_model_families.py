@@ -53,8 +53,8 @@ def test_family_matches_transformers(tiny_model, name):
     # The outputs must depend on the prompt, or the comparison proves little.
     assert len({tuple(e) for e in expected}) == len(expected)
 
-    llm = LLM(str(path), kv_cache_memory="16MiB", max_num_batched_tokens=24, max_num_seqs=16,
-              **LLM_OPTIONS.get(name, {}))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=24,
+              max_num_seqs=16, **LLM_OPTIONS.get(name, {}))
     alone = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0] for p in prompts[:4]]
     assert [o.outputs[0].token_ids for o in alone] == expected[:4]
     for output, prompt in zip(alone, prompts):

@@ -29,6 +29,7 @@ from typing import Any
 import gguf
 import numpy as np
 from safetensors.numpy import save_file
+from tokenizers import Tokenizer as HFTokenizer
 
 from inflight.cache import cache_root
 from inflight.model.gguf_architectures import (CONFIG_TENSORS, Metadata, gguf_architecture,
@@ -37,8 +38,11 @@ from inflight.model.gguf_tokenizer import gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
+# The tokens that end a turn in the chat formats of the families converted
+# (Llama 3, Gemma, Phi-3, ChatML): a generation stops at them, as at EOS.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|im_end|>")
 # Bump when the converted layout changes, so stale caches are not reused.
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 SOURCE_FILE = "source.json"  # in a conversion: the GGUF file it was made from
 
 
@@ -106,8 +110,24 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tensors = {name: data for name, _, data in iter_tensors(reader, config)}
     save_file(tensors, str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    stops = end_of_generation_ids(meta.fields, tokenizer)
+    if stops:
+        (out_dir / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": stops}, indent=2))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def end_of_generation_ids(fields: dict[str, Any], tokenizer: HFTokenizer) -> list[int]:
+    """The ids a generation stops at: the file's EOS, end-of-turn and
+    end-of-message ids, and the chat formats' end-of-turn tokens the vocabulary
+    has (llama.cpp's end-of-generation set; a Hugging Face checkpoint lists them
+    in generation_config.json, which a GGUF file does not carry: Gemma's chat
+    turns end with <end_of_turn>, not its EOS)."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    ids = [fields.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    ids += [tokenizer.token_to_id(text) for text in END_OF_TURN_TOKENS]
+    return list(dict.fromkeys(i for i in ids if isinstance(i, int) and 0 <= i < size))
 
 
 def read_metadata(reader: gguf.GGUFReader) -> Metadata:
