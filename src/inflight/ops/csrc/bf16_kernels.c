@@ -27,8 +27,16 @@
 
 #ifdef INFLIGHT_AVX512_BF16
 
-/* Rows x panels of a tile, at most: as many float32 sums in flight. */
-#define BF16_TILE 8
+/* Rows x panels of a tile, at most: as many float32 sums in flight (of 32
+ * vector registers; the rest hold the step's weights and broadcast x). */
+#define BF16_TILE 16
+/* Panels a unit of work takes when it has more than two rows: each step's
+ * four weight vectors serve up to four rows (eight loads for sixteen dot
+ * products, against nine for eight with one panel of eight rows). */
+#define BF16_WIDE_PANELS 4
+#define BF16_WIDE_ROWS 4
+/* Rows of a one-panel tile, at most. */
+#define BF16_NARROW_ROWS 8
 
 /* `rows` rows of bf16 pairs (xb, `pairs` per row) against `panels` adjacent
  * panels from column col, read once. */
@@ -48,7 +56,7 @@ static inline __attribute__((always_inline)) void dot_tile(
         }
     }
     for (int p = 0; p < panels; p++) {
-        v8f out[BF16_TILE][2];
+        v8f out[BF16_NARROW_ROWS][2];
         for (int r = 0; r < rows; r++)
             memcpy(out[r], &acc[r * panels + p], sizeof out[r]);
         const int64_t c = col + p * LINEAR_NR;
@@ -57,7 +65,8 @@ static inline __attribute__((always_inline)) void dot_tile(
 }
 
 /* All m rows against `count` adjacent panels: one tile for a decode's few
- * rows, else per panel tiles of up to BF16_TILE near-equal row counts. */
+ * rows; four panels in tiles of up to BF16_WIDE_ROWS near-equal row counts;
+ * else (the last panels of a matrix) per panel tiles of up to 8 rows. */
 static void dot_unit(const uint32_t *xb, int64_t pairs, int64_t m, const uint8_t *panel,
                      int64_t panel_bytes, int count, const float *bias, float *y, int64_t n,
                      int64_t col)
@@ -70,7 +79,27 @@ static void dot_unit(const uint32_t *xb, int64_t pairs, int64_t m, const uint8_t
         dot_tile(xb, pairs, panel, panel_bytes, 2, bias, y, n, col, 2);
         return;
     }
-    const int64_t tiles = (m + BF16_TILE - 1) / BF16_TILE;
+    if (count == BF16_WIDE_PANELS) {
+        const int64_t tiles = (m + BF16_WIDE_ROWS - 1) / BF16_WIDE_ROWS;
+        int64_t row = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int rows = (int)(m / tiles + (t < m % tiles));
+            const uint32_t *xr = xb + row * pairs;
+            float *yr = y + row * n;
+#define WIDE_ROWS(r) dot_tile(xr, pairs, panel, panel_bytes, BF16_WIDE_PANELS, bias, yr, n, \
+                              col, r)
+            switch (rows) {
+            case 4: WIDE_ROWS(4); break;
+            case 3: WIDE_ROWS(3); break;
+            case 2: WIDE_ROWS(2); break;
+            default: WIDE_ROWS(1); break;
+            }
+#undef WIDE_ROWS
+            row += rows;
+        }
+        return;
+    }
+    const int64_t tiles = (m + BF16_NARROW_ROWS - 1) / BF16_NARROW_ROWS;
     for (int p = 0; p < count; p++) {
         int64_t row = 0;
         for (int64_t t = 0; t < tiles; t++) {
@@ -106,14 +135,15 @@ int inflight_bf16_linear(const float *x, const uint8_t *packed, const float *bia
     if (xb == NULL)
         return -1;
 #pragma omp parallel for if (m * k > PARALLEL_MIN_WORK)
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t s = 0; s < pairs; s++) {
-            const float *xr = x + r * k;
-            const uint32_t high = 2 * s + 1 < k ? bf16_from_float(xr[2 * s + 1]) : 0;
-            xb[r * pairs + s] = bf16_from_float(xr[2 * s]) | high << 16;
-        }
-    /* Panels per unit of work: a decode tile's, or one. */
-    const int64_t width = m == 1 ? 4 : m == 2 ? 2 : 1;
+    for (int64_t r = 0; r < m; r++) {
+        /* a pair's first element in its word's low half: the row as bf16 */
+        uint16_t *row = (uint16_t *)(xb + r * pairs);
+        floats_to_bf16(x + r * k, row, k);
+        if (k & 1)
+            row[k] = 0;
+    }
+    /* Panels per unit of work: a decode tile's, or BF16_WIDE_PANELS. */
+    const int64_t width = m == 1 ? 4 : m == 2 ? 2 : BF16_WIDE_PANELS;
     const int64_t units = (panels + width - 1) / width;
 #pragma omp parallel for schedule(static) if (m * n * k > PARALLEL_MIN_WORK)
     for (int64_t u = 0; u < units; u++) {

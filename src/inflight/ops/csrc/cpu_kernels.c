@@ -76,22 +76,11 @@ static inline __attribute__((always_inline)) const void *kv_at(const void *base,
     return (const char *)base + i * (kv16 ? 2 : 4);
 }
 
-static inline __attribute__((always_inline)) v8f kv_load8(const void *base, int64_t i, int kv16)
-{
-    return kv16 ? bf16x8_to_float((const uint16_t *)base + i)
-                : *(const v8f *)((const float *)base + i);
-}
-
-static inline __attribute__((always_inline)) float kv_load1(const void *base, int64_t i, int kv16)
-{
-    return kv16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
 /* scores[i * stride] = scale * q . k_i for `count` keys `head_dim` elements
  * apart. Eight keys at a time keep eight independent multiply-add chains in
  * flight; each key's dot product is computed the same way wherever it falls. */
 static inline __attribute__((always_inline)) void dot_keys(
-    const float *q, const void *k, int kv16, int64_t count, int64_t head_dim, float scale,
+    const float *q, const float *k, int64_t count, int64_t head_dim, float scale,
     float *scores, int64_t stride)
 {
     int64_t i = 0;
@@ -101,7 +90,7 @@ static inline __attribute__((always_inline)) void dot_keys(
             for (int64_t d = 0; d < head_dim; d += 8) {
                 const v8f qv = *(const v8f *)(q + d);
                 for (int j = 0; j < 8; j++)
-                    a[j] += qv * kv_load8(k, (i + j) * head_dim + d, kv16);
+                    a[j] += qv * *(const v8f *)(k + (i + j) * head_dim + d);
             }
             const v8f sums = hsum8_each(a) * scale;
             for (int j = 0; j < 8; j++)
@@ -112,7 +101,7 @@ static inline __attribute__((always_inline)) void dot_keys(
         for (; i < count; i++) {
             v8f a = {0};
             for (int64_t d = 0; d < head_dim; d += 8)
-                a += *(const v8f *)(q + d) * kv_load8(k, i * head_dim + d, kv16);
+                a += *(const v8f *)(q + d) * *(const v8f *)(k + i * head_dim + d);
             scores[i * stride] = hsum8(a) * scale;
         }
     }
@@ -120,14 +109,14 @@ static inline __attribute__((always_inline)) void dot_keys(
         float dot = 0.0f;
 #pragma omp simd reduction(+:dot)
         for (int64_t d = 0; d < head_dim; d++)
-            dot += q[d] * kv_load1(k, i * head_dim + d, kv16);
+            dot += q[d] * k[i * head_dim + d];
         scores[i * stride] = dot * scale;
     }
 }
 
 /* out += sum_i p[i * stride] * v_i over `count` value rows. */
 static inline __attribute__((always_inline)) void accumulate_values(
-    const float *p, int64_t stride, const void *v, int kv16, int64_t count, int64_t head_dim,
+    const float *p, int64_t stride, const float *v, int64_t count, int64_t head_dim,
     float *out)
 {
     if (head_dim % 8 == 0 && head_dim <= 256) {
@@ -138,7 +127,7 @@ static inline __attribute__((always_inline)) void accumulate_values(
         for (int64_t i = 0; i < count; i++) {
             const float w = p[i * stride];
             for (int64_t c = 0; c < chunks; c++)
-                acc[c] += w * kv_load8(v, i * head_dim + 8 * c, kv16);
+                acc[c] += w * *(const v8f *)(v + i * head_dim + 8 * c);
         }
         for (int64_t c = 0; c < chunks; c++)
             *(v8f *)(out + 8 * c) = acc[c];
@@ -148,7 +137,7 @@ static inline __attribute__((always_inline)) void accumulate_values(
         const float w = p[i * stride];
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; d++)
-            out[d] += w * kv_load1(v, i * head_dim + d, kv16);
+            out[d] += w * v[i * head_dim + d];
     }
 }
 
@@ -180,6 +169,26 @@ static inline int keys_in_block(int64_t first, int64_t len, int64_t base, int64_
     return *hi > *lo;
 }
 
+/* A cache block's elements as float32: the block itself when the cache is
+ * float32, else its rows [lo, hi) (those a tile reads; positions lo_all ..
+ * hi_all - 1 of the sequence) widened into `wide` at their places. */
+static inline __attribute__((always_inline)) const float *widened_rows(
+    const void *block, int kv16, int64_t base, int64_t lo_all, int64_t hi_all,
+    int64_t block_size, int64_t head_dim, float *wide)
+{
+    if (!kv16)
+        return block;
+    const int64_t lo = (lo_all > base ? lo_all : base) - base;
+    const int64_t hi = (hi_all < base + block_size ? hi_all : base + block_size) - base;
+    const uint16_t *src = block;
+    int64_t i = lo * head_dim;
+    for (; i + 8 <= hi * head_dim; i += 8)
+        *(v8f *)(wide + i) = bf16x8_to_float(src + i);
+    for (; i < hi * head_dim; i++)
+        wide[i] = bf16_to_float(src[i]);
+    return wide;
+}
+
 /* Tile of `count` query tokens x `group` heads of one sequence against one KV
  * head. Query i (qh[i], out oh[i]) sees keys first[i] .. lens[i] - 1. Every
  * query's scores, softmax and weighted sum of values are computed in the same
@@ -187,12 +196,15 @@ static inline int keys_in_block(int64_t first, int64_t len, int64_t base, int64_
  * the tiling. `scores` holds count * group * span floats, span = lens[count-1]
  * - first[0]: one row per (query, head). Inlined with a constant head_dim for
  * the common sizes, so the vector loops fully unroll, and a constant kv16 (the
- * cache's elements bf16, widened to float32 as they are read). */
+ * cache's elements bf16: the rows of a block the tile reads are widened to
+ * float32 once into `wide`, block_stride floats, and every query and head of
+ * the tile reads them there; widening is exact, so the results are those of a
+ * float32 cache holding the same values). */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *const *qh, float *const *oh, const int64_t *first, const int64_t *lens,
     int count, const void *kh, const void *vh, int kv16, const int64_t *table,
     int64_t block_size, int64_t block_stride, int64_t group, int64_t head_dim, float scale,
-    float softcap, float *scores)
+    float softcap, float *scores, float *wide)
 {
     const int64_t lo_all = first[0], hi_all = lens[count - 1], span = hi_all - lo_all;
     const int64_t first_block = lo_all / block_size, last_block = (hi_all - 1) / block_size;
@@ -208,7 +220,8 @@ static inline __attribute__((always_inline)) void attend_tile(
     /* scores of each (query, head) for the keys it sees, in its own row */
     for (int64_t b = first_block; b <= last_block; b++) {
         const int64_t base = b * block_size;
-        const void *kb = kv_at(kh, table[b] * block_stride, kv16);
+        const float *kb = widened_rows(kv_at(kh, table[b] * block_stride, kv16), kv16, base,
+                                       lo_all, hi_all, block_size, head_dim, wide);
         for (int i = 0; i < count; i++) {
             int64_t lo, hi;
             if (!keys_in_block(first[i], lens[i], base, block_size, &lo, &hi))
@@ -216,9 +229,8 @@ static inline __attribute__((always_inline)) void attend_tile(
             for (int64_t g = 0; g < group; g++) {
                 if (i == count - 1)
                     prefetch_part(NEXT_BLOCK(b - first_block + 1), block_bytes, g, group);
-                dot_keys(qh[i] + g * head_dim, kv_at(kb, (lo - base) * head_dim, kv16), kv16,
-                         hi - lo, head_dim, scale,
-                         scores + (i * group + g) * span + (lo - lo_all), 1);
+                dot_keys(qh[i] + g * head_dim, kb + (lo - base) * head_dim, hi - lo,
+                         head_dim, scale, scores + (i * group + g) * span + (lo - lo_all), 1);
             }
         }
     }
@@ -256,7 +268,8 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
     for (int64_t b = first_block; b <= last_block; b++) {
         const int64_t base = b * block_size;
-        const void *vb = kv_at(vh, table[b] * block_stride, kv16);
+        const float *vb = widened_rows(kv_at(vh, table[b] * block_stride, kv16), kv16, base,
+                                       lo_all, hi_all, block_size, head_dim, wide);
         for (int i = 0; i < count; i++) {
             int64_t lo, hi;
             if (!keys_in_block(first[i], lens[i], base, block_size, &lo, &hi))
@@ -266,8 +279,8 @@ static inline __attribute__((always_inline)) void attend_tile(
                     prefetch_part(NEXT_BLOCK(blocks + b - first_block + 1), block_bytes, g,
                                   group);
                 accumulate_values(scores + (i * group + g) * span + (lo - lo_all), 1,
-                                  kv_at(vb, (lo - base) * head_dim, kv16), kv16, hi - lo,
-                                  head_dim, oh[i] + g * head_dim);
+                                  vb + (lo - base) * head_dim, hi - lo, head_dim,
+                                  oh[i] + g * head_dim);
             }
         }
     }
@@ -327,6 +340,12 @@ int inflight_paged_attention(
     {
         float *scores = NULL;
         int64_t capacity = 0;
+        /* One block's elements widened from a bf16 cache. */
+        float *wide = kv_bf16 ? malloc((size_t)block_stride * sizeof(float)) : NULL;
+        if (kv_bf16 && wide == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
 
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t t = 0; t < num_tiles; t++) {
@@ -343,6 +362,8 @@ int inflight_paged_attention(
                     oh[i] = out + (s0 + i) * out_stride + h * group * head_dim;
                 }
                 const int64_t need = count * group * (lens[count - 1] - first[0]);
+                if (kv_bf16 && wide == NULL)
+                    continue;
                 if (need > capacity) {
                     float *grown = realloc(scores, (size_t)need * sizeof(float));
                     if (grown == NULL) {
@@ -359,7 +380,7 @@ int inflight_paged_attention(
                 const void *vh = kv_at(v_cache, h * head_stride, kv16);
 #define ATTEND(kv16_, head_dim_) attend_tile(qh, oh, first, lens, count, kh, vh, kv16_, table, \
                                              block_size, block_stride, group, head_dim_, scale, \
-                                             softcap, scores)
+                                             softcap, scores, wide)
                 if (kv16) {
                     if (head_dim == 64)
                         ATTEND(1, 64);
@@ -378,6 +399,7 @@ int inflight_paged_attention(
             }
         }
         free(scores);
+        free(wide);
     }
     free(tile_start);
     return failed ? -1 : 0;

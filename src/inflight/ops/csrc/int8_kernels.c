@@ -104,6 +104,11 @@ static inline int32_t quad(const void *p)
 #if defined(INFLIGHT_AVX512_VNNI)
 
 #define A8_TILE 8  /* rows x panels of a tile, at most */
+/* Panels a unit of work takes when it has more than two rows, in tiles of up
+ * to A8_WIDE_ROWS rows: each step's two weight vectors serve four rows (six
+ * loads for eight dot products, against nine with one panel of eight rows). */
+#define A8_WIDE_PANELS 2
+#define A8_WIDE_ROWS 4
 
 static inline __attribute__((always_inline)) void a8_tile(
     const a8_rows *q, int64_t row0, int64_t kp, const uint8_t *panel, int64_t panel_bytes,
@@ -146,7 +151,8 @@ static inline __attribute__((always_inline)) void a8_tile(
 }
 
 /* All m rows against `count` adjacent panels: one tile for a decode's few
- * rows, else per panel tiles of up to A8_TILE rows. */
+ * rows; A8_WIDE_PANELS panels in tiles of up to A8_WIDE_ROWS near-equal row
+ * counts; else (a matrix's last panel) tiles of up to A8_TILE rows. */
 static void a8_unit(const a8_rows *q, int64_t m, int64_t kp, const uint8_t *panel,
                     int64_t panel_bytes, int count, const float *scale, const float *bias,
                     float *y, int64_t n, int64_t col)
@@ -157,6 +163,24 @@ static void a8_unit(const a8_rows *q, int64_t m, int64_t kp, const uint8_t *pane
     }
     if (m == 2 && count == 2) {
         a8_tile(q, 0, kp, panel, panel_bytes, 2, scale, bias, y, n, col, 2);
+        return;
+    }
+    if (count == A8_WIDE_PANELS) {
+        const int64_t tiles = (m + A8_WIDE_ROWS - 1) / A8_WIDE_ROWS;
+        int64_t row = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int rows = (int)(m / tiles + (t < m % tiles));
+#define A8_WIDE(r) a8_tile(q, row, kp, panel, panel_bytes, A8_WIDE_PANELS, scale, bias, y, \
+                           n, col, r)
+            switch (rows) {
+            case 4: A8_WIDE(4); break;
+            case 3: A8_WIDE(3); break;
+            case 2: A8_WIDE(2); break;
+            default: A8_WIDE(1); break;
+            }
+#undef A8_WIDE
+            row += rows;
+        }
         return;
     }
     const int64_t tiles = (m + A8_TILE - 1) / A8_TILE;
@@ -311,8 +335,8 @@ int inflight_w8a8_linear(const float *x, const uint8_t *packed, const float *sca
         q.offset = (int32_t *)(q.dx + m * blocks);
     quantize_rows(x, m, k, kp, &q);
 #ifdef INFLIGHT_AVX512_VNNI
-    /* Panels per unit of work: a decode tile's, or one. */
-    const int64_t width = m == 1 ? 4 : m == 2 ? 2 : 1;
+    /* Panels per unit of work: a decode tile's, or A8_WIDE_PANELS. */
+    const int64_t width = m == 1 ? 4 : m == 2 ? 2 : A8_WIDE_PANELS;
     const int64_t units = (panels + width - 1) / width;
 #pragma omp parallel for schedule(static) if (m * n * k > PARALLEL_MIN_WORK)
     for (int64_t u = 0; u < units; u++) {
