@@ -23,6 +23,9 @@ from inflight.ops.cpu_ops import CpuOps
 from inflight.ops.quant import QuantOps
 from inflight.spec_decode.speculator import SpecStats
 
+# transformers' own default token budget per continuous-batching step.
+HF_MAX_BATCH_TOKENS = 8192
+
 
 @dataclass
 class ThroughputResult:
@@ -231,7 +234,8 @@ def run_hf_continuous(model_dir: Path, requests: list[BenchRequest], *, ignore_e
                       eos_token_ids: list[int] | None = None) -> ThroughputResult:
     """Hugging Face transformers' own continuous batching (``generate_batch``'s
     manager, paged attention): every request submitted at once, each with its
-    own ``max_new_tokens``; timed from the first submission (after the
+    own ``max_new_tokens``, a step's token budget all the prompts at once (at
+    most transformers' default); timed from the first submission (after the
     manager's start-up and warm-up) to the last result."""
     import transformers
 
@@ -241,7 +245,8 @@ def run_hf_continuous(model_dir: Path, requests: list[BenchRequest], *, ignore_e
         eos_token_id=None if ignore_eos else eos_token_ids, pad_token_id=0)
     outputs: dict[str, Any] = {}
     options: dict[str, Any] = {}
-    if "workload_hints" in inspect.signature(model.continuous_batching_context_manager).parameters:
+    parameters = inspect.signature(model.continuous_batching_context_manager).parameters
+    if "workload_hints" in parameters:
         # Its own way (newer transformers) to size the cache and batch for the
         # workload instead of for all free memory, whose warm-up fills buffers
         # of that size; every request still fits at once.
@@ -251,6 +256,15 @@ def run_hf_continuous(model_dir: Path, requests: list[BenchRequest], *, ignore_e
             max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
             max_generated_length=max(r.max_tokens for r in requests),
             num_requests=len(requests))
+    if "continuous_batching_config" in parameters:
+        # The hints leave a step's token budget at its default, and the
+        # warm-up fills an attention mask of that many tokens squared (18 s for
+        # three tiny requests on the CPU): no more than all prompts at once.
+        from transformers import ContinuousBatchingConfig
+
+        prompts = sum(len(r.prompt_token_ids) for r in requests)
+        options["continuous_batching_config"] = ContinuousBatchingConfig(
+            max_batch_tokens=min(HF_MAX_BATCH_TOKENS, max(prompts, len(requests))))
     with model.continuous_batching_context_manager(generation_config=config, block=True,
                                                    timeout=60, **options) as manager:
         start = time.perf_counter()
