@@ -35,7 +35,7 @@
  * products, against nine for eight with one panel of eight rows). */
 #define BF16_WIDE_PANELS 4
 #define BF16_WIDE_ROWS 4
-/* Rows of a one-panel tile, at most. */
+/* Rows of a one-panel tile, at most: the most rows of any tile. */
 #define BF16_NARROW_ROWS 8
 
 /* `rows` rows of bf16 pairs (xb, `pairs` per row) against `panels` adjacent
