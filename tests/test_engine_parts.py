@@ -13,6 +13,7 @@ from inflight.core.scheduler import SchedulerOutput
 from inflight.engine.factory import build_llm_engine
 from inflight.engine.output import OutputKind
 from inflight.worker.runner import RunnerOutput
+from inflight.worker import sampler as sampler_module
 from inflight.worker.sampler import Sampler, SamplingRow
 
 from fake_worker import FakeWorker
@@ -151,6 +152,30 @@ def test_the_sampler_reports_non_finite_rows_and_samples_the_rest():
     out = Sampler(torch.device("cpu"), 0).sample(logits.clone(), rows)
     assert set(out.errors) == {1, 2}
     assert [out.token_ids[i] for i in (0, 3)] == [int(expected[0]), int(expected[3])]
+
+
+def test_the_device_path_finds_non_finite_rows_and_reads_logprobs_as_the_host_path():
+    """What CUDA runs, here on CPU tensors: non-finite rows found and zeroed by
+    one device reduction and reported when the results are read; the
+    log-probabilities read from device tensors equal the host path's."""
+    logits = torch.randn(4, 50)
+    logits[1, 3] = float("nan")
+    logits[2, 7] = float("-inf")
+    rows = [SamplingRow(SamplingParams(temperature=0, logprobs=2 if i % 2 else None))
+            for i in range(4)]
+    host = Sampler(torch.device("cpu"), 0).sample(logits.clone(), rows)
+    on_device = logits.clone()
+    finite = sampler_module._zero_non_finite_rows(on_device)
+    assert finite.tolist() == [True, False, False, True]
+    assert (on_device[1:3] == 0).all() and torch.equal(on_device[[0, 3]], logits[[0, 3]])
+    tokens = on_device.argmax(dim=-1)
+    top = sampler_module._logprob_tensors(torch.log_softmax(on_device, dim=-1), tokens,
+                                          [r.params.logprobs for r in rows])
+    read = sampler_module.SampledBatch(tokens, [r.params.logprobs for r in rows], top, None,
+                                       finite).read()
+    assert read.errors == host.errors and set(read.errors) == {1, 2}
+    assert [read.token_ids[i] for i in (0, 3)] == [host.token_ids[i] for i in (0, 3)]
+    assert read.logprobs[0] is None and read.logprobs[3] == host.logprobs[3]
 
 
 def test_greedy_takes_the_first_of_equal_maxima_as_torch_argmax_does():

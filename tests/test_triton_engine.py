@@ -59,8 +59,9 @@ def test_decode_graphs_give_the_eager_tokens(tiny_model):
     """Decode steps replay a captured step in buckets; prompt steps run eagerly."""
     path = str(tiny_model("llama-gqa"))
     prompts = random_prompts(5, vocab=384, min_len=3, max_len=20, seed=3)
+    # (A short context: one class of sequence length, one graph per bucket.)
     llm = LLM(path, kernel_backend="triton", dtype="float32", kv_cache_memory="4MiB",
-              max_num_seqs=5, enforce_eager=True)
+              max_num_seqs=5, max_model_len=64, enforce_eager=True)
     eager = _generate(llm, prompts)
     runner = llm.engine.runner
     runner.capture_decode_graphs(5, ReplayingGraph)
@@ -78,11 +79,19 @@ class FakeBuffers:
     def __init__(self) -> None:
         self.filled: list[tuple[int, int]] = []
         self.seq_lens = torch.zeros(8, dtype=torch.long)
-        self._metadata: dict[int, object] = {}
+        self._metadata: dict[tuple[int, int], object] = {}
 
-    def metadata(self, batch_size: int) -> object:
-        return self._metadata.setdefault(batch_size, {"rows": batch_size,
-                                                      "seq_lens": self.seq_lens[:batch_size]})
+    def seq_len_caps(self) -> list[int]:
+        return [10, 20, 64]
+
+    def launch_key(self, batch_size: int, seq_len_cap: int) -> int:
+        # Long sequences split their keys, when the batch is small.
+        return 2 if seq_len_cap > 20 and batch_size < 4 else 1
+
+    def metadata(self, batch_size: int, seq_len_cap: int) -> object:
+        key = (batch_size, self.launch_key(batch_size, seq_len_cap))
+        return self._metadata.setdefault(key, {"rows": batch_size, "splits": key[1],
+                                               "seq_lens": self.seq_lens[:batch_size]})
 
     def fill(self, layout: BatchLayout, batch_size: int) -> None:
         n = len(layout.seq_lens)
@@ -115,20 +124,26 @@ def test_graph_buckets_padding_and_static_buffers():
     graphs = DecodeGraphs(step, buffers, 8, torch.device("cpu"), ReplayingGraph)
     graphs.capture()
     assert graphs.sizes == [1, 2, 4, 8]
+    # One graph per bucket and launch shape: buckets 1 and 2 have two.
+    assert len({id(m) for m in seen_metadata}) == len({id(g) for g in graphs._graphs.values()}) == 6
+    assert graphs._graphs[1, 20] is graphs._graphs[1, 10] is not graphs._graphs[1, 64]
+    assert graphs._graphs[4, 10] is graphs._graphs[4, 64]
     captured = {id(m) for m in seen_metadata}
     static_ids = graphs.input_ids.data_ptr()
 
     layout = _decode_layout([7, 9, 3])
-    assert graphs.bucket(layout) == 4
-    out = graphs.run(torch.tensor([11, 12, 13]), torch.tensor([6, 8, 2]), layout, 4)
+    assert graphs.bucket(layout) == (4, 10)
+    assert graphs.bucket(_decode_layout([7, 21])) == (2, 64)
+    assert graphs.bucket(_decode_layout([20])) == (1, 20)
+    out = graphs.run(torch.tensor([11, 12, 13]), torch.tensor([6, 8, 2]), layout, (4, 10))
     assert out.tolist() == [[11, 6, 7], [12, 8, 9], [13, 2, 3]]
     # The padding row of the bucket: token 0, position 0, sequence length 0.
-    assert graphs._graphs[4][1][3].tolist() == [0, 0, 0]
+    assert graphs._graphs[4, 10][1][3].tolist() == [0, 0, 0]
     # A smaller step after a larger one leaves no stale rows behind.
-    out = graphs.run(torch.tensor([5]), torch.tensor([4]), _decode_layout([5]), 1)
+    out = graphs.run(torch.tensor([5]), torch.tensor([4]), _decode_layout([5]), (1, 10))
     assert out.tolist() == [[5, 4, 5]]
-    out = graphs.run(torch.tensor([1, 2]), torch.tensor([3, 4]), _decode_layout([4, 5]), 4)
-    assert graphs._graphs[4][1][2:].tolist() == [[0, 0, 0], [0, 0, 0]]
+    out = graphs.run(torch.tensor([1, 2]), torch.tensor([3, 4]), _decode_layout([4, 5]), (4, 10))
+    assert graphs._graphs[4, 10][1][2:].tolist() == [[0, 0, 0], [0, 0, 0]]
     # Replays reuse the buffers and metadata objects captured at start-up.
     assert {id(m) for m in seen_metadata} == captured
     assert graphs.input_ids.data_ptr() == static_ids
@@ -139,4 +154,4 @@ def test_graph_buckets_padding_and_static_buffers():
                         np.zeros((2, 1), dtype=np.int64), np.arange(4), 16)
     assert graphs.bucket(mixed) is None
     assert graphs.bucket(_decode_layout([3] * 9)) is None
-    assert graphs.bucket(_decode_layout([3] * 8)) == 8
+    assert graphs.bucket(_decode_layout([3] * 8)) == (8, 10)

@@ -27,7 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        if hint is bool:
+        if hint is bool or set(typing.get_args(hint)) == {bool, type(None)}:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)

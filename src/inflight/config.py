@@ -108,9 +108,13 @@ class EngineConfig:
     # model ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen3-8b",
     # "qwen3-30b-a3b"): benchmarks at real sizes without a download.
     load_format: str = "auto"
-    # Schedule step N+1 while step N computes (vLLM's --async-scheduling); the
-    # tokens are the same. Steps with beam-search rows run without the overlap.
-    async_scheduling: bool = False
+    # Schedule and launch step N+1 while step N computes (vLLM's
+    # --async-scheduling); the tokens are the same (on the GPU, bit for bit
+    # where no request stops at a token, or with batch_invariant). Steps with
+    # beam-search rows run without the overlap. None: on where it pays, on CUDA
+    # (unless speculative decoding or static batching is asked for); off on the
+    # CPU, where handing each step to a compute thread costs more than it hides.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str, allow_none: bool = False) -> None:
@@ -189,6 +193,12 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+
+    def uses_async_scheduling(self, on_cuda: bool) -> bool:
+        """``async_scheduling`` as asked, or as chosen for the device."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return on_cuda and self.scheduling == "continuous" and self.speculative_config is None
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

@@ -50,7 +50,13 @@ BLOCK_N = 64                 # keys per tile (32 for head dims above 128)
 DECODE_BLOCK_M = 16          # rows per tile when every query is a single token
 PREFILL_BLOCK_M = 64         # rows per tile otherwise (and always when batch-invariant)
 SPLIT_MIN_KEYS = 256         # a split of a request's keys covers at least this many
+# ... when every query is a single token: one tile of keys. At batch 1 on an H100
+# (1B shape, 385 keys) one split took 11 us a layer, 33 splits 4.5 us plus
+# 5.5 us to merge them: the merge's cost grows with the splits.
+DECODE_SPLIT_MIN_KEYS = BLOCK_N
 INVARIANT_SPLIT_KEYS = 512   # where batch-invariant steps split, in absolute positions
+# Classes of decode steps' longest sequence captured as CUDA graphs of their own.
+DECODE_SEQ_LEN_CAPS = (511, 2047, 8191)
 
 
 @triton.jit
@@ -281,8 +287,10 @@ class TritonPagedBackend(TorchPagedBackend):
         small = DECODE_BLOCK_M if max_query_len == 1 and not self.batch_invariant else PREFILL_BLOCK_M
         return max(small, triton.next_power_of_2(self.group))
 
-    def splits(self, num_tiles: int, max_seq_len: int) -> tuple[int, int]:
-        """(number of splits, key tiles per split; 0 = even per request)."""
+    def splits(self, num_tiles: int, max_seq_len: int, decode: bool = False
+               ) -> tuple[int, int]:
+        """(number of splits, key tiles per split; 0 = even per request) of a
+        step (``decode``: every query a single token)."""
         if self.batch_invariant:
             return (max(1, -(-max_seq_len // INVARIANT_SPLIT_KEYS)),
                     INVARIANT_SPLIT_KEYS // BLOCK_N)
@@ -290,7 +298,8 @@ class TritonPagedBackend(TorchPagedBackend):
         if programs >= self.target_programs:
             return 1, 0
         wanted = -(-self.target_programs // programs)
-        return max(1, min(wanted, max_seq_len // SPLIT_MIN_KEYS)), 0
+        min_keys = DECODE_SPLIT_MIN_KEYS if decode else SPLIT_MIN_KEYS
+        return max(1, min(wanted, max_seq_len // min_keys)), 0
 
     def warm_up_shapes(self, max_seq_len: int) -> list[tuple[list[int], list[int]]]:
         """(query lengths, context lengths) of steps that between them meet every
@@ -308,7 +317,8 @@ class TritonPagedBackend(TorchPagedBackend):
         block_m = self.block_m(max_query_len)
         tile_seq, tile_q_start = query_tiles(layout.query_start_loc, layout.context_lens,
                                              _block_q(block_m, self.group))
-        num_splits, tiles_per_split = self.splits(len(tile_seq), int(layout.seq_lens.max()))
+        num_splits, tiles_per_split = self.splits(len(tile_seq), int(layout.seq_lens.max()),
+                                                  decode=max_query_len == 1)
 
         if self._staging is None or self._staging.device != device:
             self._staging = HostStaging(device)
@@ -403,14 +413,25 @@ class DecodeBuffers:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(max_batch, max_blocks, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
-        self._metadata: dict[int, TritonPagedMetadata] = {}
+        self._metadata: dict[tuple[int, tuple[int, int]], TritonPagedMetadata] = {}
         self._staging = HostStaging(device)
 
-    def metadata(self, batch_size: int) -> TritonPagedMetadata:
-        """The static metadata of one bucket (the same object every time)."""
-        meta = self._metadata.get(batch_size)
+    def seq_len_caps(self) -> list[int]:
+        """Classes of the longest sequence of a step: short ones split their keys
+        less (``TritonPagedBackend.splits``), long ones as much as the device
+        wants."""
+        return [cap for cap in DECODE_SEQ_LEN_CAPS if cap < self.max_seq_len] + [self.max_seq_len]
+
+    def launch_key(self, batch_size: int, seq_len_cap: int) -> tuple[int, int]:
+        return self.backend.splits(batch_size, seq_len_cap, decode=True)
+
+    def metadata(self, batch_size: int, seq_len_cap: int) -> TritonPagedMetadata:
+        """The static metadata of one bucket and class (the same object every
+        time)."""
+        key = (batch_size, self.launch_key(batch_size, seq_len_cap))
+        meta = self._metadata.get(key)
         if meta is None:
-            num_splits, tiles_per_split = self.backend.splits(batch_size, self.max_seq_len)
+            num_splits, tiles_per_split = key[1]
             rows = self.query_start_loc[:batch_size]
             meta = TritonPagedMetadata(
                 slot_mapping=self.slot_mapping[:batch_size],
@@ -419,7 +440,7 @@ class DecodeBuffers:
                 tile_seq=rows, tile_q_start=rows, num_tiles=batch_size,
                 block_m=self.backend.block_m(1), num_splits=num_splits,
                 tiles_per_split=tiles_per_split)
-            self._metadata[batch_size] = meta
+            self._metadata[key] = meta
         return meta
 
     def fill(self, layout: BatchLayout, batch_size: int) -> None:

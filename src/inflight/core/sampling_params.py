@@ -170,6 +170,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the tokens so far (repetition, presence,
+        frequency penalties)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
     def _normalize_and_validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")

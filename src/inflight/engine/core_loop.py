@@ -33,6 +33,7 @@ from inflight.engine.messages import (AbortRequests, AddRequest, CoreEvent, Core
                                       CoreOutputs, CoreReady, FinishSequences, RequestEnded,
                                       Shutdown, UtilityCall, UtilityReply)
 from inflight.engine.warm_up_request import serve_warm_up_request
+from inflight.heap import freeze_startup_heap, log_long_pauses
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +120,12 @@ class CoreLoop:
 def serve_core(config: EngineConfig, context: zmq.Context, ops_address: str,
                events_address: str, *, max_queue_wait: float | None = None,
                count_tenants: bool = False,
-               build: Callable[[EngineConfig], EngineCore] | None = None) -> bool:
+               build: Callable[[EngineConfig], EngineCore] | None = None,
+               freeze_heap: bool = False) -> bool:
     """Build the core and say so (CoreReady; or CoreFailed, and the error is
     raised), then run its loop until Shutdown. A failure of the loop is
-    reported (CoreFailed) and ends it; returns whether it ended well."""
+    reported (CoreFailed) and ends it; returns whether it ended well.
+    ``freeze_heap``: the process is the core's own (``inflight.heap``)."""
     ops = context.socket(zmq.PULL)
     ops.connect(ops_address)
     events = context.socket(zmq.PUSH)
@@ -145,6 +148,10 @@ def serve_core(config: EngineConfig, context: zmq.Context, ops_address: str,
         events.close()
         ops.close(linger=0)
         raise
+    if freeze_heap:
+        logger.info("froze %d start-up objects out of the garbage collector's reach",
+                    freeze_startup_heap())
+        log_long_pauses()
     events.send(encoder.encode(CoreReady(core.model, model_dir, core.scheduler.max_num_seqs,
                                          core.load_seconds)))
     inbox: queue.SimpleQueue[CoreOp | None] = queue.SimpleQueue()

@@ -84,7 +84,8 @@ def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
     speculator = None
     if config.speculative_config is not None:
         speculator = Speculator(SpeculativeConfig.parse(config.speculative_config))
-    core_class = AsyncEngineCore if config.async_scheduling else EngineCore
+    on_cuda = getattr(runner, "launch_queues", False)
+    core_class = AsyncEngineCore if config.uses_async_scheduling(on_cuda) else EngineCore
     core = core_class(scheduler, runner, model=info, eos_token_ids=eos, clock=clock,
                       speculator=speculator, structured=structured)
     core.load_seconds = time.perf_counter() - start

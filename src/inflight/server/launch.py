@@ -21,6 +21,7 @@ from fastapi import FastAPI
 
 from inflight.config import EngineConfig
 from inflight.engine.async_engine import AsyncEngine
+from inflight.heap import freeze_startup_heap, log_long_pauses
 from inflight.model.loader import model_display_name
 from inflight.batch.service import BatchService
 from inflight.server.app import build_app
@@ -47,6 +48,8 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
         threading.Timer(DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
 
     engine, app = make_server(config, on_dead=on_dead, **options)
+    freeze_startup_heap()
+    log_long_pauses()
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=shutdown_timeout))
     try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,11 +33,48 @@ import torch
 from torch import nn
 
 from inflight.attention.backend import AttentionBackend, BatchLayout
-from inflight.core.scheduler import SchedulerOutput
+from inflight.core.scheduler import PLACEHOLDER_TOKEN, SchedulerOutput
 from inflight.ops.staging import HostStaging
 from inflight.worker.cuda_graphs import DecodeGraphs, Graph
 from inflight.worker.runner import RunnerOutput, TokenLogprobs
-from inflight.worker.sampler import Sampler, SamplingRow
+from inflight.worker.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
+
+
+class PreparedStep:
+    """A step whose inputs are read (``ModelRunner.prepare_step``): ``launch``
+    computes it (on CUDA: queues its work, then returns), ``collect`` waits
+    for its results. ``sampled_rows``: request id -> its row among the
+    step's samples."""
+
+    def __init__(self, sampled_rows: dict[str, int]) -> None:
+        self.sampled_rows = sampled_rows
+        self._compute: Callable[[], SampledBatch | None] | None = None
+        self._collect: Callable[[SampledBatch | None], RunnerOutput] | None = None
+        self._sampled: SampledBatch | None = None
+
+    def bind(self, compute: Callable[[], SampledBatch | None],
+             collect: Callable[[SampledBatch | None], RunnerOutput]) -> None:
+        self._compute, self._collect = compute, collect
+
+    def launch(self) -> None:
+        self._sampled = self._compute()
+
+    def collect(self) -> RunnerOutput:
+        return self._collect(self._sampled)
+
+    def sampled_tokens(self) -> torch.Tensor:
+        """The sampled tokens, where the device holds them (once launched)."""
+        return self._sampled.tokens
+
+
+@dataclass
+class _Feedback:
+    """Token ids of a step that the step prepared before it samples: input
+    positions ``dst`` take that step's samples ``src``."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    source: PreparedStep
 
 
 class ModelRunner:
@@ -72,6 +110,9 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self._staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
+        self._last_step: PreparedStep | None = None
+        # A step's launch only queues its work (CUDA); on the CPU it computes.
+        self.launch_queues = device.type == "cuda"
 
     def capture_decode_graphs(self, max_batch: int, new_graph: Callable[[], Graph]) -> None:
         """Capture decode-only steps of up to ``max_batch`` requests (the backend
@@ -171,7 +212,9 @@ class ModelRunner:
             self.backend.swap_blocks(self.host_kv_caches, self.kv_caches, out.swap_in)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        return self.prepare_step(out)()
+        step = self.prepare_step(out)
+        step.launch()
+        return step.collect()
 
     def init_compute_thread(self) -> None:
         """Run first in a thread that will compute steps (async scheduling):
@@ -180,10 +223,15 @@ class ModelRunner:
         share PyTorch's OpenMP runtime)."""
         torch.set_num_threads(self._num_threads)
 
-    def prepare_step(self, out: SchedulerOutput) -> Callable[[], RunnerOutput]:
+    def prepare_step(self, out: SchedulerOutput) -> PreparedStep:
         """Read everything the step needs from ``out`` and its requests now;
-        returns the computation, which touches neither again (so that another
-        thread may run it while the scheduler moves on: async scheduling)."""
+        the step's ``launch`` and ``collect`` touch neither again (so that
+        another thread may launch it while the scheduler moves on: async
+        scheduling).
+
+        A token the step before has not sampled yet (``PLACEHOLDER_TOKEN``:
+        that step was prepared before this one but may not have run) is taken
+        from its sampled tokens when this step launches, on the device."""
         input_ids, positions, layout, sample_rows = self.prepare(out)
         num_rows = len(out.requests)
         drafts = list(out.draft_token_ids)
@@ -192,31 +240,65 @@ class ModelRunner:
         bucket = self.graphs.bucket(layout) if self.graphs is not None and sample_rows else None
         logit_positions = (self._logit_positions(out, layout, sample_rows) if bucket is None
                            else None)
+        sample_index = np.array(sample_rows, dtype=np.int64)
+        feedback = self._feedback(out, input_ids, layout)
+        step = PreparedStep({} if any(drafts) else
+                            {out.requests[i].request_id: j for j, i in enumerate(sample_rows)})
 
         @torch.inference_mode()
-        def compute() -> RunnerOutput:
+        def compute() -> SampledBatch | None:
             if bucket is not None:
-                ids, pos = self._staging.to_device([input_ids, positions])
+                ids, pos, index = self._stage(input_ids, [positions, sample_index], feedback)
                 logits = self.graphs.run(ids, pos, layout, bucket)
                 if len(sample_rows) < num_rows:
-                    logits = logits[torch.tensor(sample_rows, device=self.device)]
+                    logits = logits[index]
             else:
-                logits = self._forward(input_ids, positions, layout, logit_positions)
-            return self._accept(logits, rows, bitmask, sample_rows, drafts, num_rows)
+                logits = self._forward(input_ids, positions, layout, logit_positions, feedback)
+            return self.sampler.sample_deferred(logits, rows, bitmask) if sample_rows else None
 
-        return compute
+        def collect(sampled: SampledBatch | None) -> RunnerOutput:
+            return self._accept(None if sampled is None else sampled.read(), sample_rows,
+                                drafts, num_rows)
 
-    def _accept(self, logits: torch.Tensor | None, rows: list[SamplingRow],
-                bitmask: np.ndarray | None, sample_rows: list[int], drafts: list[list[int]],
-                num_rows: int) -> RunnerOutput:
-        """Sample (under the step's grammar ``bitmask``), and accept each row's
-        tokens (a verified run: the drafts that match the samples, and one
-        more)."""
+        step.bind(compute, collect)
+        self._last_step = step
+        return step
+
+    def _feedback(self, out: SchedulerOutput, input_ids: np.ndarray,
+                  layout: BatchLayout) -> _Feedback | None:
+        """Where the step's input holds placeholders, and which of the previous
+        prepared step's samples go there."""
+        holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
+        if not holes.size:
+            return None
+        source = self._last_step
+        owners = np.searchsorted(layout.query_start_loc, holes, side="right") - 1
+        try:
+            src = [source.sampled_rows[out.requests[row].request_id] for row in owners.tolist()]
+        except (AttributeError, KeyError):
+            raise RuntimeError("a step's input holds a token that the step prepared before it "
+                               "does not sample") from None
+        return _Feedback(holes, np.array(src, dtype=np.int64), source)
+
+    def _stage(self, input_ids: np.ndarray, arrays: list[np.ndarray],
+               feedback: _Feedback | None) -> list[torch.Tensor]:
+        """The step's token ids (placeholders filled in from the previous step's
+        samples, on the device) and ``arrays``, on the device."""
+        if feedback is None:
+            return self._staging.to_device([input_ids, *arrays])
+        *staged, dst, src = self._staging.to_device([input_ids, *arrays, feedback.dst,
+                                                     feedback.src])
+        staged[0].index_copy_(0, dst, feedback.source.sampled_tokens().index_select(0, src))
+        return staged
+
+    def _accept(self, result: SamplerOutput | None, sample_rows: list[int],
+                drafts: list[list[int]], num_rows: int) -> RunnerOutput:
+        """Accept each sampled row's tokens (a verified run: the drafts that
+        match the samples, and one more)."""
         sampled: list[Sequence[int]] = [()] * num_rows
         logprobs: dict[int, list[TokenLogprobs]] = {}
         errors: dict[int, str] = {}
-        if sample_rows:
-            result = self.sampler.sample(logits, rows, bitmask)
+        if result is not None:
             k = 0
             for row in sample_rows:
                 row_drafts = drafts[row]
@@ -277,10 +359,11 @@ class ModelRunner:
         return np.concatenate(logprobs).astype(np.float64)
 
     def _forward(self, input_ids: np.ndarray, positions: np.ndarray, layout: BatchLayout,
-                 logits_index: np.ndarray) -> torch.Tensor | None:
+                 logits_index: np.ndarray, feedback: _Feedback | None = None
+                 ) -> torch.Tensor | None:
         """One eager step; the logits of the tokens at ``logits_index`` (None if
         there are none)."""
-        ids, pos, index = self._staging.to_device([input_ids, positions, logits_index])
+        ids, pos, index = self._stage(input_ids, [positions, logits_index], feedback)
         metadata = self.backend.build_metadata(layout, self.device)
         hidden = self.model(ids, pos, self.kv_caches, metadata)
         if not logits_index.size:

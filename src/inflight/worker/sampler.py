@@ -42,8 +42,7 @@ class SamplingRow:
 
     @property
     def has_penalties(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        return self.params.has_penalties
 
 
 @dataclass
@@ -51,6 +50,48 @@ class SamplerOutput:
     token_ids: list[int]  # meaningless for the rows in ``errors``
     logprobs: list[TokenLogprobs | None]
     errors: dict[int, str]  # row -> what was wrong with its logits
+
+
+class SampledBatch:
+    """A batch's samples as the device computed them: ``tokens`` stays there
+    (the next step's inputs can be fed from it), and a copy to the host is
+    under way; ``read()`` waits for that copy alone."""
+
+    def __init__(self, tokens: torch.Tensor, wanted: list[int | None],
+                 top: list[torch.Tensor] | None, errors: dict[int, str] | None,
+                 finite: torch.Tensor | None) -> None:
+        """``errors``: the rows with non-finite logits, found on the host (the
+        CPU); otherwise ``finite``, which rows were all finite, on the device."""
+        self.tokens = tokens
+        self._wanted = wanted
+        self._errors = errors
+        tensors = [tokens, *(top or []), *([] if finite is None else [finite])]
+        self._copied: torch.cuda.Event | None = None
+        if tokens.device.type == "cuda":
+            # Into pinned memory, asynchronously; ``read`` waits on the event.
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self._host = tensors
+        self._has_top = top is not None
+
+    def read(self) -> SamplerOutput:
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host
+        token_list = host[0].tolist()
+        errors = self._errors
+        if errors is None:
+            errors = {row: "the model produced non-finite logits"
+                      for row in np.flatnonzero(~host[-1].numpy()).tolist()}
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
+        if self._has_top:
+            chosen, ranks, top_values, top_ids = (t.tolist() for t in host[1:5])
+            logprobs = [None if n is None else
+                        TokenLogprobs(token_list[i], chosen[i], ranks[i], top_ids[i][:n],
+                                      top_values[i][:n])
+                        for i, n in enumerate(self._wanted)]
+        return SamplerOutput(token_list, logprobs, errors)
 
 
 class Sampler:
@@ -65,8 +106,18 @@ class Sampler:
         """Sample one token per row of ``logits`` ``[S, V]`` (modified in place);
         rows with a ``bitmask_row`` sample only what that row of ``bitmask``
         allows."""
+        return self.sample_deferred(logits, rows, bitmask).read()
+
+    def sample_deferred(self, logits: torch.Tensor, rows: list[SamplingRow],
+                        bitmask: np.ndarray | None = None) -> SampledBatch:
+        """``sample``, with the results left on the device until ``read()``: on
+        CUDA nothing here waits for the device (unless a constrained row's
+        stop-token ban asks whether its grammar allows anything else), so the
+        next step can be launched before this one's tokens reach the host."""
         logits = logits.float()
-        errors = self._non_finite_rows(logits)
+        on_cpu = logits.device.type == "cpu"
+        errors = self._non_finite_rows(logits) if on_cpu else None
+        finite = None if on_cpu else _zero_non_finite_rows(logits)
         constrained = [i for i, r in enumerate(rows) if r.bitmask_row is not None]
         if constrained:
             apply_token_bitmask(logits, constrained,
@@ -86,11 +137,9 @@ class Sampler:
             tokens = _argmax(logits)
         else:
             tokens = self._sample(logits, rows, greedy)
-        token_list = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            logprobs = self._logprobs(raw_logprobs, tokens, token_list, want_logprobs)
-        return SamplerOutput(token_list, logprobs, errors)
+        top = (_logprob_tensors(raw_logprobs, tokens, want_logprobs)
+               if raw_logprobs is not None else None)
+        return SampledBatch(tokens, want_logprobs, top, errors, finite)
 
     @staticmethod
     def _ban(logits: torch.Tensor, i: int, token_ids: list[int], constrained: bool) -> None:
@@ -103,11 +152,11 @@ class Sampler:
 
     @staticmethod
     def _non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
-        """Rows holding NaN or infinite logits (one reduction finds them), which
-        are then zeroed so that the rest of the batch samples as usual."""
-        # On the CPU through NumPy: a fraction of PyTorch's per-call cost.
-        sums = (logits.numpy().sum(axis=-1) if logits.device.type == "cpu"
-                else logits.sum(dim=-1).cpu().numpy())
+        """On the CPU: rows holding NaN or infinite logits (one reduction finds
+        them), which are then zeroed so that the rest of the batch samples as
+        usual."""
+        # Through NumPy: a fraction of PyTorch's per-call cost.
+        sums = logits.numpy().sum(axis=-1)
         finite = np.isfinite(sums)
         if finite.all():
             return {}
@@ -118,8 +167,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
                 greedy: list[bool]) -> torch.Tensor:
         device = logits.device
-        temperature = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
-                                   device=device, dtype=logits.dtype)
+        temperature = _tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
+                              device=device, dtype=logits.dtype)
         scaled = logits / temperature.unsqueeze(1)
         top_k = [(i, r.params.top_k) for i, r in enumerate(rows) if r.params.top_k > 0 and not greedy[i]]
         if top_k:
@@ -140,7 +189,7 @@ class Sampler:
                 race[i].exponential_(generator=generator)
         sampled = (probs / race).argmax(dim=-1)
         if any(greedy):
-            mask = torch.tensor(greedy, device=device)
+            mask = _tensor(greedy, device=device)
             sampled = torch.where(mask, _argmax(logits), sampled)
         return sampled
 
@@ -153,38 +202,20 @@ class Sampler:
         counts = torch.zeros_like(sub)
         seen = torch.zeros(sub.shape, dtype=torch.bool, device=device)
         for j, row in enumerate(rows):
-            out_ids = torch.tensor(row.output_token_ids or [], dtype=torch.long, device=device)
+            out_ids = _tensor(row.output_token_ids or [], dtype=torch.long, device=device)
             counts[j] = torch.bincount(out_ids, minlength=vocab)[:vocab].to(sub.dtype)
-            seen[j, torch.tensor(row.prompt_token_ids or [], dtype=torch.long, device=device)] = True
+            seen[j, _tensor(row.prompt_token_ids or [], dtype=torch.long, device=device)] = True
         seen |= counts > 0
-        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device,
-                           dtype=sub.dtype).unsqueeze(1)
+        rep = _tensor([r.params.repetition_penalty for r in rows], device=device,
+                      dtype=sub.dtype).unsqueeze(1)
         penalized = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalized, sub)
-        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device,
-                            dtype=sub.dtype).unsqueeze(1)
-        pres = torch.tensor([r.params.presence_penalty for r in rows], device=device,
-                            dtype=sub.dtype).unsqueeze(1)
+        freq = _tensor([r.params.frequency_penalty for r in rows], device=device,
+                       dtype=sub.dtype).unsqueeze(1)
+        pres = _tensor([r.params.presence_penalty for r in rows], device=device,
+                       dtype=sub.dtype).unsqueeze(1)
         sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
         logits[index] = sub
-
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
-                  wanted: list[int | None]) -> list[TokenLogprobs | None]:
-        chosen = raw.gather(1, tokens.unsqueeze(1))
-        ranks = (raw > chosen).sum(dim=1).add_(1).tolist()
-        chosen_list = chosen.squeeze(1).tolist()
-        most = max(n for n in wanted if n is not None)
-        top_values, top_ids = (raw.topk(most, dim=-1) if most > 0 else (raw[:, :0], raw[:, :0].long()))
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        out: list[TokenLogprobs | None] = []
-        for i, n in enumerate(wanted):
-            if n is None:
-                out.append(None)
-            else:
-                out.append(TokenLogprobs(token_list[i], chosen_list[i], ranks[i],
-                                         top_ids[i][:n], top_values[i][:n]))
-        return out
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -195,6 +226,36 @@ def position_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return (z ^ (z >> 31)) >> 1
+
+
+def _tensor(values: list, device: torch.device, dtype: torch.dtype | None = None
+            ) -> torch.Tensor:
+    """A small tensor of a step's values on ``device``; on CUDA through pinned
+    memory, so that making it does not wait for the work already queued."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _zero_non_finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """On the device: which rows of ``logits`` are all finite (one reduction),
+    the others zeroed so that the rest of the batch samples as usual."""
+    finite = torch.isfinite(logits.sum(dim=-1))
+    logits.masked_fill_(~finite.unsqueeze(1), 0.0)
+    return finite
+
+
+def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor,
+                     wanted: list[int | None]) -> list[torch.Tensor]:
+    """On the device: each sampled token's log-probability and rank, and the
+    most top alternatives any row asked for (values, ids)."""
+    chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    ranks = (raw > chosen.unsqueeze(1)).sum(dim=1).add_(1)
+    most = max(n for n in wanted if n is not None)
+    top_values, top_ids = (raw.topk(most, dim=-1) if most > 0
+                           else (raw[:, :0], raw[:, :0].long()))
+    return [chosen, ranks, top_values, top_ids]
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -208,7 +269,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _top_k(logits: torch.Tensor, rows: list[tuple[int, int]]) -> None:
     index = [i for i, _ in rows]
-    k = torch.tensor([k for _, k in rows], device=logits.device).clamp_(max=logits.shape[1])
+    k = _tensor([k for _, k in rows], device=logits.device).clamp_(max=logits.shape[1])
     sub = logits[index]
     kth = sub.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
     logits[index] = sub.masked_fill(sub < kth, float("-inf"))
@@ -217,7 +278,7 @@ def _top_k(logits: torch.Tensor, rows: list[tuple[int, int]]) -> None:
 def _top_p(logits: torch.Tensor, rows: list[tuple[int, float]]) -> None:
     """Keep the smallest set of most likely tokens whose probability reaches p."""
     index = [i for i, _ in rows]
-    p = torch.tensor([p for _, p in rows], device=logits.device, dtype=logits.dtype)
+    p = _tensor([p for _, p in rows], device=logits.device, dtype=logits.dtype)
     sub = logits[index]
     ascending, order = sub.sort(dim=-1)
     cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
@@ -229,7 +290,7 @@ def _top_p(logits: torch.Tensor, rows: list[tuple[int, float]]) -> None:
 def _min_p(logits: torch.Tensor, rows: list[tuple[int, float]]) -> None:
     """Drop tokens less likely than min_p times the most likely one."""
     index = [i for i, _ in rows]
-    min_p = torch.tensor([m for _, m in rows], device=logits.device, dtype=logits.dtype)
+    min_p = _tensor([m for _, m in rows], device=logits.device, dtype=logits.dtype)
     sub = logits[index]
     probs = sub.softmax(dim=-1)
     threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
