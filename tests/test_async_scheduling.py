@@ -5,7 +5,9 @@ position) only); no KV block is leaked; aborts mid-way leave the others alone.""
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -254,6 +256,25 @@ def test_tiny_model_tokens_are_those_of_the_synchronous_engine(tiny_model, mode,
             assert fed > stats.num_steps / 2, (fed, stats.num_steps)
     assert results[True] == results[False]
     assert any(c[1] == "stop" for o in results[True] for c in o)
+
+
+def test_steps_fed_from_the_one_before_do_not_keep_it_alive(tiny_model):
+    """A step launched with the tokens of the step before lets go of that step
+    (a chain of every step since the engine was last idle would hold each
+    one's inputs and samples: memory growing for as long as it is busy)."""
+    llm = LLM(str(tiny_model("llama-gqa")), dtype="float32", kv_cache_memory="8MiB",
+              async_scheduling=True)
+    runner, steps = llm.engine.core.runner, []
+    prepare = runner.prepare_step
+    runner.prepare_step = lambda out: steps.append(prepare(out)) or steps[-1]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p}
+               for p in random_prompts(4, vocab=384, min_len=5, max_len=20, seed=1)]
+    llm.generate(prompts, params, use_tqdm=False)
+    refs = [weakref.ref(step) for step in steps]
+    steps.clear()
+    gc.collect()
+    assert len(refs) >= 40 and sum(ref() is not None for ref in refs) <= 2
 
 
 def test_async_scheduling_is_on_by_default_on_cuda_only(tiny_model):

@@ -155,11 +155,12 @@ class AsyncEngineCore(EngineCore):
                 self.runner.move_blocks(out)
             step.launch()
             return step.collect
-        if move_blocks:
-            self._executor.submit(self.runner.move_blocks, out)
+        moved = self._executor.submit(self.runner.move_blocks, out) if move_blocks else None
         launched = self._executor.submit(step.launch)
 
         def collect() -> RunnerOutput:
+            if moved is not None:
+                moved.result()  # (a failure is the runner's: raised here)
             launched.result()
             return step.collect()
         return collect

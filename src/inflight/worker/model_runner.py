@@ -58,6 +58,7 @@ class PreparedStep:
 
     def launch(self) -> None:
         self._sampled = self._compute()
+        self._compute = None  # (its inputs, and the step it was fed from, may go)
 
     def collect(self) -> RunnerOutput:
         return self._collect(self._sampled)
@@ -74,7 +75,7 @@ class _Feedback:
 
     dst: np.ndarray
     src: np.ndarray
-    source: PreparedStep
+    source: PreparedStep | None
 
 
 class ModelRunner:
@@ -289,6 +290,7 @@ class ModelRunner:
         *staged, dst, src = self._staging.to_device([input_ids, *arrays, feedback.dst,
                                                      feedback.src])
         staged[0].index_copy_(0, dst, feedback.source.sampled_tokens().index_select(0, src))
+        feedback.source = None  # (no chain of steps kept alive)
         return staged
 
     def _accept(self, result: SamplerOutput | None, sample_rows: list[int],

@@ -145,10 +145,11 @@ class Sampler:
     def _ban(logits: torch.Tensor, i: int, token_ids: list[int], constrained: bool) -> None:
         """Forbid ``token_ids`` in row ``i``, unless the row's grammar allows
         nothing else (it has ended): the grammar wins over ``min_tokens``."""
-        kept = logits[i, token_ids].clone() if constrained else None
-        logits[i, token_ids] = float("-inf")
+        ids = _tensor(token_ids, device=logits.device)
+        kept = logits[i, ids].clone() if constrained else None
+        logits[i, ids] = float("-inf")
         if constrained and not torch.isfinite(logits[i]).any():
-            logits[i, token_ids] = kept
+            logits[i, ids] = kept
 
     @staticmethod
     def _non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
@@ -268,16 +269,17 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _top_k(logits: torch.Tensor, rows: list[tuple[int, int]]) -> None:
-    index = [i for i, _ in rows]
-    k = _tensor([k for _, k in rows], device=logits.device).clamp_(max=logits.shape[1])
+    index = _tensor([i for i, _ in rows], device=logits.device)
+    ks = [min(k, logits.shape[1]) for _, k in rows]
     sub = logits[index]
-    kth = sub.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    kth = sub.topk(max(ks), dim=-1).values.gather(
+        1, _tensor([k - 1 for k in ks], device=logits.device).unsqueeze(1))
     logits[index] = sub.masked_fill(sub < kth, float("-inf"))
 
 
 def _top_p(logits: torch.Tensor, rows: list[tuple[int, float]]) -> None:
     """Keep the smallest set of most likely tokens whose probability reaches p."""
-    index = [i for i, _ in rows]
+    index = _tensor([i for i, _ in rows], device=logits.device)
     p = _tensor([p for _, p in rows], device=logits.device, dtype=logits.dtype)
     sub = logits[index]
     ascending, order = sub.sort(dim=-1)
@@ -289,7 +291,7 @@ def _top_p(logits: torch.Tensor, rows: list[tuple[int, float]]) -> None:
 
 def _min_p(logits: torch.Tensor, rows: list[tuple[int, float]]) -> None:
     """Drop tokens less likely than min_p times the most likely one."""
-    index = [i for i, _ in rows]
+    index = _tensor([i for i, _ in rows], device=logits.device)
     min_p = _tensor([m for _, m in rows], device=logits.device, dtype=logits.dtype)
     sub = logits[index]
     probs = sub.softmax(dim=-1)
