@@ -14,6 +14,7 @@ from helpers import random_prompts
 
 from inflight import LLM, SamplingParams
 from inflight.attention.backend import BatchLayout
+from inflight.attention.triton_paged import TritonPagedBackend
 from inflight.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
 pytest.importorskip("triton")
@@ -155,3 +156,23 @@ def test_graph_buckets_padding_and_static_buffers():
     assert graphs.bucket(mixed) is None
     assert graphs.bucket(_decode_layout([3] * 9)) is None
     assert graphs.bucket(_decode_layout([3] * 8)) == (8, 10)
+
+
+def test_decode_graph_classes_split_short_contexts_less():
+    """A decode step's keys split into programs of one 64-key tile at least,
+    as many as the device wants; each class of longest sequence a bucket is
+    captured for has the splits of its bound, and classes with the same
+    splits share a graph."""
+    backend = TritonPagedBackend(32, 8, target_programs=264)  # an H100's 132 SMs
+    assert backend.splits(1, 385, decode=True) == (6, 0)
+    assert backend.splits(1, 385) == (1, 0)          # a prompt's tiles: 256 keys at least
+    assert backend.splits(1, 131072, decode=True) == (33, 0)
+    assert backend.splits(64, 131072, decode=True) == (1, 0)
+    buffers = backend.decode_buffers(64, 4, 32768, torch.device("cpu"))
+    assert buffers.seq_len_caps() == [511, 2047, 8191, 32768]
+    assert [buffers.launch_key(1, cap) for cap in buffers.seq_len_caps()] == [
+        (7, 0), (31, 0), (33, 0), (33, 0)]
+    assert {buffers.launch_key(64, cap) for cap in buffers.seq_len_caps()} == {(1, 0)}
+    assert buffers.metadata(1, 8191) is buffers.metadata(1, 32768)
+    assert buffers.metadata(1, 511).num_splits == 7
+    assert backend.decode_buffers(8, 4, 300, torch.device("cpu")).seq_len_caps() == [300]
