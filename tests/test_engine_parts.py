@@ -171,7 +171,7 @@ def test_the_device_path_finds_non_finite_rows_and_reads_logprobs_as_the_host_pa
     tokens = on_device.argmax(dim=-1)
     top = sampler_module._logprob_tensors(torch.log_softmax(on_device, dim=-1), tokens,
                                           [r.params.logprobs for r in rows])
-    read = sampler_module.SampledBatch(tokens, [r.params.logprobs for r in rows], top, None,
+    read = sampler_module.SampledBatch(tokens, [r.params.logprobs for r in rows], top,
                                        finite).read()
     assert read.errors == host.errors and set(read.errors) == {1, 2}
     assert [read.token_ids[i] for i in (0, 3)] == [host.token_ids[i] for i in (0, 3)]

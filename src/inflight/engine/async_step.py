@@ -94,22 +94,20 @@ class AsyncEngineCore(EngineCore):
             self._apply(out, start, self._submit(out))
         # Step N computes while N+1 is planned.
         following = self._schedule()
-        if self._feeds_back(following):
+        ahead = self._feeds_back(following)
+        if ahead:
             # N+1 is launched before N's tokens reach the host: they reach its
             # inputs on the device.
             launched = time.perf_counter()
             collect = self._submit(following, move_blocks=True)
-            reported = self._in_flight.updated
-            outputs = self._finish_in_flight()
-            following.expired = [r for r in following.expired if r not in reported]
-            kept = [row for row, r in enumerate(following.requests) if not r.is_finished]
-            _without_ended(following)
-            self._apply(following, launched, collect, kept)
-            return outputs
         reported = self._in_flight.updated
         outputs = self._finish_in_flight()
         # (A request N reported as ended is not reported again with N+1.)
         following.expired = [r for r in following.expired if r not in reported]
+        if ahead:
+            kept = [row for row, r in enumerate(following.requests) if not r.is_finished]
+            self._apply(_without_ended(following), launched, collect, kept)
+            return outputs
         following = _without_ended(following)
         self.runner.move_blocks(following)
         if self._overlaps(following):

@@ -46,15 +46,12 @@ class PreparedStep:
     for its results. ``sampled_rows``: request id -> its row among the
     step's samples."""
 
-    def __init__(self, sampled_rows: dict[str, int]) -> None:
+    def __init__(self, sampled_rows: dict[str, int], compute: Callable[[], SampledBatch | None],
+                 collect: Callable[[SampledBatch | None], RunnerOutput]) -> None:
         self.sampled_rows = sampled_rows
-        self._compute: Callable[[], SampledBatch | None] | None = None
-        self._collect: Callable[[SampledBatch | None], RunnerOutput] | None = None
+        self._compute: Callable[[], SampledBatch | None] | None = compute
+        self._collect = collect
         self._sampled: SampledBatch | None = None
-
-    def bind(self, compute: Callable[[], SampledBatch | None],
-             collect: Callable[[SampledBatch | None], RunnerOutput]) -> None:
-        self._compute, self._collect = compute, collect
 
     def launch(self) -> None:
         self._sampled = self._compute()
@@ -243,8 +240,6 @@ class ModelRunner:
                            else None)
         sample_index = np.array(sample_rows, dtype=np.int64)
         feedback = self._feedback(out, input_ids, layout)
-        step = PreparedStep({} if any(drafts) else
-                            {out.requests[i].request_id: j for j, i in enumerate(sample_rows)})
 
         @torch.inference_mode()
         def compute() -> SampledBatch | None:
@@ -261,9 +256,10 @@ class ModelRunner:
             return self._accept(None if sampled is None else sampled.read(), sample_rows,
                                 drafts, num_rows)
 
-        step.bind(compute, collect)
-        self._last_step = step
-        return step
+        sampled_rows = ({} if any(drafts) else
+                        {out.requests[i].request_id: j for j, i in enumerate(sample_rows)})
+        self._last_step = PreparedStep(sampled_rows, compute, collect)
+        return self._last_step
 
     def _feedback(self, out: SchedulerOutput, input_ids: np.ndarray,
                   layout: BatchLayout) -> _Feedback | None:

@@ -58,14 +58,11 @@ class SampledBatch:
     under way; ``read()`` waits for that copy alone."""
 
     def __init__(self, tokens: torch.Tensor, wanted: list[int | None],
-                 top: list[torch.Tensor] | None, errors: dict[int, str] | None,
-                 finite: torch.Tensor | None) -> None:
-        """``errors``: the rows with non-finite logits, found on the host (the
-        CPU); otherwise ``finite``, which rows were all finite, on the device."""
+                 top: list[torch.Tensor] | None, finite: torch.Tensor) -> None:
+        """``finite``: which rows' logits were all finite."""
         self.tokens = tokens
         self._wanted = wanted
-        self._errors = errors
-        tensors = [tokens, *(top or []), *([] if finite is None else [finite])]
+        tensors = [tokens, *(top or []), finite]
         self._copied: torch.cuda.Event | None = None
         if tokens.device.type == "cuda":
             # Into pinned memory, asynchronously; ``read`` waits on the event.
@@ -80,10 +77,8 @@ class SampledBatch:
             self._copied.synchronize()
         host = self._host
         token_list = host[0].tolist()
-        errors = self._errors
-        if errors is None:
-            errors = {row: "the model produced non-finite logits"
-                      for row in np.flatnonzero(~host[-1].numpy()).tolist()}
+        errors = {row: "the model produced non-finite logits"
+                  for row in np.flatnonzero(~host[-1].numpy()).tolist()}
         logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
         if self._has_top:
             chosen, ranks, top_values, top_ids = (t.tolist() for t in host[1:5])
@@ -115,9 +110,8 @@ class Sampler:
         stop-token ban asks whether its grammar allows anything else), so the
         next step can be launched before this one's tokens reach the host."""
         logits = logits.float()
-        on_cpu = logits.device.type == "cpu"
-        errors = self._non_finite_rows(logits) if on_cpu else None
-        finite = None if on_cpu else _zero_non_finite_rows(logits)
+        finite = (_zero_non_finite_rows_on_host(logits) if logits.device.type == "cpu"
+                  else _zero_non_finite_rows(logits))
         constrained = [i for i, r in enumerate(rows) if r.bitmask_row is not None]
         if constrained:
             apply_token_bitmask(logits, constrained,
@@ -139,7 +133,7 @@ class Sampler:
             tokens = self._sample(logits, rows, greedy)
         top = (_logprob_tensors(raw_logprobs, tokens, want_logprobs)
                if raw_logprobs is not None else None)
-        return SampledBatch(tokens, want_logprobs, top, errors, finite)
+        return SampledBatch(tokens, want_logprobs, top, finite)
 
     @staticmethod
     def _ban(logits: torch.Tensor, i: int, token_ids: list[int], constrained: bool) -> None:
@@ -150,20 +144,6 @@ class Sampler:
         logits[i, ids] = float("-inf")
         if constrained and not torch.isfinite(logits[i]).any():
             logits[i, ids] = kept
-
-    @staticmethod
-    def _non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
-        """On the CPU: rows holding NaN or infinite logits (one reduction finds
-        them), which are then zeroed so that the rest of the batch samples as
-        usual."""
-        # Through NumPy: a fraction of PyTorch's per-call cost.
-        sums = logits.numpy().sum(axis=-1)
-        finite = np.isfinite(sums)
-        if finite.all():
-            return {}
-        bad = np.flatnonzero(~finite).tolist()
-        logits[bad] = 0.0
-        return {row: "the model produced non-finite logits" for row in bad}
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
                 greedy: list[bool]) -> torch.Tensor:
@@ -237,6 +217,15 @@ def _tensor(values: list, device: torch.device, dtype: torch.dtype | None = None
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def _zero_non_finite_rows_on_host(logits: torch.Tensor) -> torch.Tensor:
+    """``_zero_non_finite_rows`` on the CPU, through NumPy: a fraction of
+    PyTorch's per-call cost."""
+    finite = np.isfinite(logits.numpy().sum(axis=-1))
+    if not finite.all():
+        logits[torch.from_numpy(~finite)] = 0.0
+    return torch.from_numpy(finite)
 
 
 def _zero_non_finite_rows(logits: torch.Tensor) -> torch.Tensor:
