@@ -82,6 +82,18 @@ def test_streamed_pieces_add_up_to_the_whole(case, cuts):
         assert sent_content == text and not sent_calls
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_a_stream_fed_one_character_at_a_time_adds_up_to_the_whole(case):
+    """Every prefix of the output in turn: no cut (right after a marker, say)
+    sends a piece of markup as content."""
+    parser, text, content, calls = case
+    sent_content, sent_calls = stream(parser, text, list(range(len(text))))
+    if calls:
+        assert sent_calls == calls and sent_content == (content or "")
+    else:
+        assert sent_content == text and not sent_calls
+
+
 def test_a_malformed_call_streams_its_name_and_what_it_read():
     reader = ToolCallStream(HermesParser())
     content, deltas = reader.feed(MALFORMED, final=True)

@@ -211,8 +211,11 @@ class Llama3JsonParser(ToolParser):
         start = _skip_space(text, 0)
         if text.startswith(self.PYTHON_TAG, start):
             start = _skip_space(text, start + len(self.PYTHON_TAG))
-        elif not final and (start == len(text) or self.PYTHON_TAG.startswith(text[start:])):
-            return "", []  # (undecided)
+            undecided = start == len(text)  # (the tag, and what follows it not yet)
+        else:
+            undecided = self.PYTHON_TAG.startswith(text[start:])
+        if undecided and not final:
+            return "", []
         if start < len(text) and text[start] == "{":
             return "", _items(text, start, None, ";", final)
         return text, []
