@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from inflight import LLM, BeamSearchParams, SamplingParams
 from inflight.config import EngineConfig
+from inflight.core.policy import POLICIES
 from inflight.core.scheduler import PLACEHOLDER_TOKEN, SchedulerOutput
 from inflight.engine.async_step import AsyncEngineCore
 from inflight.engine.factory import build_llm_engine
@@ -108,7 +109,7 @@ class _FakeStep:
 
 
 options = st.fixed_dictionaries({
-    "scheduling_policy": st.sampled_from(["fcfs", "priority", "sjf", "fair"]),
+    "scheduling_policy": st.sampled_from(POLICIES),
     "enable_prefix_caching": st.booleans(),
     "preemption_mode": st.sampled_from(["recompute", "swap"]),
     "block_size": st.sampled_from([1, 2, 4]),
@@ -124,6 +125,8 @@ request_spec = st.fixed_dictionaries({
     "min_tokens": st.integers(0, 3),
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
     "priority": st.integers(0, 2),
+    # (far enough that none expires: the deadline policy's order only)
+    "deadline_ms": st.integers(10**6, 10**7),
 })
 
 
@@ -149,7 +152,7 @@ def _run(engine, specs: list[dict], aborts: dict[int, int]) -> dict[str, tuple]:
         if len(prompt) + spec["max_tokens"] > engine.max_model_len:
             continue
         engine.add_request({"prompt_token_ids": prompt}, params, request_id=f"r{i}",
-                           priority=spec["priority"])
+                           priority=spec["priority"], deadline_ms=spec["deadline_ms"])
     finals, steps, counted = {}, 0, []
     while engine.has_unfinished_requests():
         for out in engine.step():
