@@ -2,7 +2,9 @@
 whose KV it holds, and checks every read and write against the request's
 tokens (no torch). A request that reads a slot holding another token would
 compute garbage; a write into a shared or cached block would corrupt another
-request's KV."""
+request's KV. With a ``WindowedKVCacheManager`` it checks the window layers'
+table too: every read within a query's window, every write, and that the
+blocks behind a request's window are given back."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import zlib
 
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.scheduler import SchedulerOutput
+from inflight.core.window_kv import NO_BLOCK, WindowedKVCacheManager
 
 VOCAB = 50
 
@@ -29,7 +32,8 @@ def next_token_candidates(tokens: list[int], k: int) -> list[tuple[int, float]]:
 
 class FakeWorker:
     """Holds (token, position) per device and host KV slot; checks every read
-    and write against the request's tokens."""
+    and write against the request's tokens. Window blocks are numbered after
+    the global ones, as in the step's block pairs."""
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
@@ -69,6 +73,9 @@ class FakeWorker:
                 assert kv.ref_count(block) == 1, "a shared block is written"
                 assert kv.block_hash(block) is None, "a cached block is written"
                 self.device[block, p % bs] = (tokens[p], p)
+            if isinstance(kv, WindowedKVCacheManager):
+                self.window_step(out.window_block_ids[out.requests.index(request)], tokens,
+                                 start, n, request.request_id)
             self.check_cached_blocks(request.request_id, request.all_token_ids)
             self.computed_prompt_tokens += max(0, min(start + n, request.num_prompt_tokens) - start)
             if start + n == len(tokens):
@@ -86,6 +93,24 @@ class FakeWorker:
                 sampled.append([])
         return sampled
 
+    def window_step(self, table: list[int], tokens: list[int], start: int, n: int,
+                    request_id: str) -> None:
+        """The window layers' reads (the first query's window reaches back
+        furthest) and writes."""
+        kv = self.kv
+        bs, base = kv.block_size, kv.num_blocks
+        assert table is kv.window_block_ids(request_id)
+        for p in range(max(0, start - kv.window + 1), start):
+            block = table[p // bs]
+            assert block != NO_BLOCK, f"{request_id}'s window lost position {p}"
+            assert self.device.get((base + block, p % bs)) == (tokens[p], p), (
+                f"{request_id} reads wrong window KV at position {p}")
+        for p in range(start, start + n):
+            block = table[p // bs]
+            assert kv.window_ref_count(block) == 1, "a shared window block is written"
+            assert kv.window_block_hash(block) is None, "a cached window block is written"
+            self.device[base + block, p % bs] = (tokens[p], p)
+
     @staticmethod
     def beam_candidates(out: SchedulerOutput, sampled: list[list[int]]
                         ) -> dict[int, list[tuple[int, float]]]:
@@ -102,6 +127,12 @@ class FakeWorker:
                 for p in range(i * bs, (i + 1) * bs):
                     assert self.device.get((block, p % bs)) == (tokens[p], p), (
                         f"cached block {block} of {request_id} holds another token at {p}")
+        if isinstance(kv, WindowedKVCacheManager):
+            for i, block in enumerate(kv.window_block_ids(request_id)):
+                if block != NO_BLOCK and kv.window_block_hash(block) is not None:
+                    for p in range(i * bs, (i + 1) * bs):
+                        assert self.device.get((kv.num_blocks + block, p % bs)) == (
+                            tokens[p], p), f"cached window block {block} of {request_id}"
 
 
 def check_accounting(kv: KVCacheManager) -> None:
@@ -114,3 +145,29 @@ def check_accounting(kv: KVCacheManager) -> None:
     for block in range(kv.num_blocks):
         assert kv.ref_count(block) == holders.get(block, 0)
     assert len(holders) + kv.num_free_blocks == kv.num_blocks, "free + cached + held != all"
+
+
+def check_window_accounting(kv: WindowedKVCacheManager, running: list) -> None:
+    """Window tables line up with the block tables, hold blocks from their
+    first live entry on, count their references, and a running request holds
+    none behind the window of the block its last computed position is in
+    (kept for forks)."""
+    tables, windows = kv.owned_blocks(), kv.owned_window_blocks()
+    assert set(windows) == set(tables)
+    holders: dict[int, int] = {}
+    for rid, table in windows.items():
+        assert len(table) == len(tables[rid])
+        live = [b for b in table if b != NO_BLOCK]
+        assert table[len(table) - len(live):] == live, "a window table has a hole"
+        for block in live:
+            holders[block] = holders.get(block, 0) + 1
+    for block in range(kv.num_window_blocks):
+        assert kv.window_ref_count(block) == holders.get(block, 0)
+    assert len(holders) + kv.num_free_window_blocks == kv.num_window_blocks
+    for request in running:
+        table = windows.get(request.request_id, [])
+        bs = kv.block_size
+        block_start = (request.num_computed_tokens - 1) // bs * bs
+        behind = max(0, block_start - kv.window + 1) // bs
+        assert all(b == NO_BLOCK for b in table[:behind]), (
+            f"{request.request_id} holds window blocks behind its window")

@@ -18,8 +18,9 @@ from inflight.core.request import FinishReason, Request
 from inflight.core.sampling_params import SamplingParams
 from inflight.core.scheduler import Scheduler
 from inflight.core.static_scheduler import StaticBatchScheduler
+from inflight.core.window_kv import WindowedKVCacheManager, window_blocks_needed
 
-from fake_worker import VOCAB, FakeWorker, check_accounting
+from fake_worker import VOCAB, FakeWorker, check_accounting, check_window_accounting
 
 EOS = 0  # the fake model emits it now and then
 TENANTS = (None, "a", "b")
@@ -65,16 +66,26 @@ options = st.fixed_dictionaries({
     "host_blocks": st.integers(0, 20),
     "background_tokens": st.integers(1, 6),
     "linger": st.sampled_from([0.0, 3.0]),
+    # Sliding-window layers with a KV pool of their own (core.window_kv): the
+    # window, and blocks beyond the least that pool may have.
+    "window": st.sampled_from([None, None, 1, 2, 3, 5, 9]),
+    "window_extra": st.integers(0, 12),
 })
 
 SHARED = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
 def build(o: dict, clock: StepClock) -> Scheduler:
-    kv = KVCacheManager(o["num_blocks"], o["block_size"], o["host_blocks"],
-                        enable_caching=o["caching"])
-    max_model_len = kv.capacity_tokens
+    max_model_len = o["num_blocks"] * o["block_size"]
     budget = o["budget"] if o["chunked"] else max(o["budget"], max_model_len)
+    if o.get("window") is None:
+        kv = KVCacheManager(o["num_blocks"], o["block_size"], o["host_blocks"],
+                            enable_caching=o["caching"])
+    else:
+        kv = WindowedKVCacheManager(
+            o["num_blocks"], o["block_size"], window=o["window"],
+            num_window_blocks=window_blocks_needed(o["window"], o["block_size"], 1, budget)
+            + o["window_extra"], num_host_blocks=o["host_blocks"], enable_caching=o["caching"])
     cls = StaticBatchScheduler if o["static"] else Scheduler
     config = PolicyConfig(priority_aging=0.05, sjf_aging=1.0)
     policy = BackgroundTier(make_policy(o["policy"], config), make_policy(o["policy"], config),
@@ -216,6 +227,8 @@ def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
         sampled = worker.execute(out)
         sched.update_from_output(out, sampled, worker.beam_candidates(out, sampled))
         check_accounting(kv)
+        if isinstance(kv, WindowedKVCacheManager):
+            check_window_accounting(kv, sched.running)
         for search in sched.pop_finished_searches():
             assert search.is_finished and search.results()
             assert all(b.is_finished for b in search.live)
@@ -234,6 +247,9 @@ def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
     assert kv.num_free_blocks == kv.num_blocks
     assert kv.num_free_host_blocks == kv.num_host_blocks
     assert not kv.owned_blocks()
+    if isinstance(kv, WindowedKVCacheManager):
+        assert kv.num_free_window_blocks == kv.num_window_blocks
+        assert not kv.owned_window_blocks()
 
 
 def check_background(sched: Scheduler, out, o: dict, background_before: set[str],

@@ -94,6 +94,11 @@ class EngineConfig:
     # CUDA: fixed-tiling matrix products and attention splits, so that a request's
     # tokens do not depend on the rest of the batch (the CPU kernels already are).
     batch_invariant: bool = False
+    # A model that interleaves sliding-window layers with global ones (Gemma 2
+    # and 3) keeps the window layers' KV in a pool of its own, holding only
+    # each request's window (``core.window_kv``), where that is smaller than
+    # one pool over every layer; this keeps every layer's KV for every position.
+    disable_hybrid_kv_cache_manager: bool = False
     # Weight quantization (CPU): "int8" (per output channel, float32 activations),
     # "w8a8" (the same weights times int8 activations, rounded per block of 32,
     # as integers), "q8_0", "q4_0", "q4_1" (GGUF block formats, quantized at load)

@@ -10,6 +10,11 @@ tokens ``query_start_loc[i]:query_start_loc[i+1]``, at positions
 ``context_lens[i]`` onwards; after the step its KV spans ``seq_lens[i]``
 positions, stored in the blocks of ``block_table[i]``. Token ``t`` is written
 to slot ``slot_mapping[t]`` = block id * block_size + offset in block.
+
+A model whose sliding-window layers keep their KV in a pool of their own
+(``core.window_kv``) has two block tables per step: the layout's ``window``
+is the same step over that pool, and the model's layers get
+``WindowedMetadata``, of which each takes its own (``metadata_for``).
 """
 
 from __future__ import annotations
@@ -32,10 +37,29 @@ class BatchLayout:
     block_table: np.ndarray      # [B, max_blocks] int64, unused entries 0
     slot_mapping: np.ndarray     # [T] int64
     block_size: int
+    # The sliding-window layers' block table and slots, when they have a pool
+    # of their own (entries behind every window: block 0, never read).
+    window: BatchLayout | None = None
 
     @property
     def query_lens(self) -> np.ndarray:
         return np.diff(self.query_start_loc)
+
+
+@dataclass
+class WindowedMetadata:
+    """A step's metadata over both block pools: ``full`` for the global
+    layers, ``window`` for the sliding-window layers."""
+
+    full: Any
+    window: Any
+
+
+def metadata_for(metadata: Any, sliding_window: int | None) -> Any:
+    """The metadata a layer with this window attends with."""
+    if type(metadata) is WindowedMetadata:
+        return metadata.full if sliding_window is None else metadata.window
+    return metadata
 
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V)

@@ -207,12 +207,13 @@ class KVCacheManager:
         self._ref_counts[block] = 1
         return block
 
-    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, tuple[int, int] | None]:
+    def fork(self, parent_id: str, child_id: str,
+             num_tokens: int) -> tuple[int, list[tuple[int, int]]]:
         """Give ``child_id`` (holding no blocks) the parent's KV for its first
         ``num_tokens`` positions: full blocks shared, a partly filled last block
         copied. Returns the number of positions the child now has and the
-        (source, destination) block pair to copy, if any; without a free block
-        for the copy, only the full blocks are shared."""
+        (source, destination) block pairs to copy (none, or the last block's);
+        without a free block for the copy, only the full blocks are shared."""
         parent = self._tables[parent_id]
         full = num_tokens // self.block_size
         table = self._tables[child_id] = []
@@ -221,10 +222,10 @@ class KVCacheManager:
             table.append(block)
         self._num_hashed[child_id] = 0
         if full * self.block_size == num_tokens or not self.num_free_blocks:
-            return full * self.block_size, None
+            return full * self.block_size, []
         copy = self._pop_free()
         table.append(copy)
-        return num_tokens, (parent[full], copy)
+        return num_tokens, [(parent[full], copy)]
 
     def free(self, request_id: str) -> None:
         """Release all of the request's blocks, device and host."""
@@ -274,6 +275,11 @@ class KVCacheManager:
         self.free(request_id)
         self._host_tables[request_id] = host
         return pairs
+
+    def can_swap_in(self, request_id: str, num_tokens: int) -> bool:
+        """Whether a swapped request can come back with room for its first
+        ``num_tokens`` positions."""
+        return cdiv(num_tokens, self.block_size) <= self.num_free_blocks
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move a swapped request's table back to device blocks. Returns the

@@ -55,9 +55,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.core.beam_search import BeamSearch
-from inflight.core.kv_cache_manager import KVCacheManager, cdiv
+from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.policy import SchedulingPolicy
 from inflight.core.request import FinishReason, Request, RequestStatus
+from inflight.core.window_kv import WindowedKVCacheManager, window_blocks_needed
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -81,7 +82,9 @@ def attention_pairs(new_tokens: int, cached_tokens: int) -> float:
 class SchedulerOutput:
     """One step's plan. ``requests[i]`` computes ``num_new_tokens[i]`` tokens
     starting at its ``num_computed_tokens``; its KV blocks are ``block_ids[i]``
-    (the manager's live table: read, do not keep). Before the step, the worker
+    (the manager's live table: read, do not keep), and with a
+    ``WindowedKVCacheManager`` its sliding-window layers' blocks are
+    ``window_block_ids[i]`` (empty otherwise). Before the step, the worker
     copies ``copy_blocks`` (source, destination) pairs on the device (the
     copy-on-write of forks), then ``swap_out`` (device, host) block pairs to
     host memory, then ``swap_in`` (host, device) pairs back."""
@@ -89,6 +92,7 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
+    window_block_ids: list[list[int]] = field(default_factory=list)
     # The draft tokens each request verifies this step (the last of its
     # ``num_new_tokens``); empty for most.
     draft_token_ids: list[list[int]] = field(default_factory=list)
@@ -146,10 +150,17 @@ class Scheduler:
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
+        window_kv = kv_cache if isinstance(kv_cache, WindowedKVCacheManager) else None
+        if window_kv is not None and window_kv.num_window_blocks < window_blocks_needed(
+                window_kv.window, window_kv.block_size, 1, max_num_batched_tokens):
+            raise ValueError(f"{window_kv.num_window_blocks} sliding-window KV blocks cannot "
+                             f"hold one request's window of {window_kv.window} tokens and a "
+                             f"step of {max_num_batched_tokens}")
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {preemption_mode!r}")
         self.kv_cache = kv_cache
+        self.window_kv = window_kv
         self.policy = policy
         self.clock = clock
         self.max_num_seqs = max_num_seqs
@@ -210,6 +221,13 @@ class Scheduler:
                              f"{request.num_prompt_tokens} prompt tokens with max_tokens="
                              f"{search.max_tokens} may need {need} KV blocks, more than the "
                              f"cache's {kv.num_blocks}")
+        window_kv = self.window_kv
+        if window_kv is not None and window_blocks_needed(
+                window_kv.window, kv.block_size, search.width,
+                self.max_num_batched_tokens) > window_kv.num_window_blocks:
+            raise ValueError(f"a beam search of width {search.width} may need more "
+                             f"sliding-window KV blocks than the cache's "
+                             f"{window_kv.num_window_blocks}")
 
     def pop_finished_searches(self) -> list[BeamSearch]:
         """The beam searches that ended since the last call (their beams are
@@ -485,7 +503,7 @@ class Scheduler:
         swapped out, its KV swapped back in."""
         kv = self.kv_cache
         if request.status is RequestStatus.SWAPPED:
-            if cdiv(num_tokens, kv.block_size) > kv.num_free_blocks:
+            if not kv.can_swap_in(request.request_id, num_tokens):
                 return False
             out.swap_in.extend(kv.swap_in(request.request_id))
         return kv.allocate_slots(request.request_id, num_tokens, cached) is not None
@@ -535,6 +553,8 @@ class Scheduler:
         out.requests.append(request)
         out.num_new_tokens.append(num_new)
         out.block_ids.append(self.kv_cache.block_ids(request.request_id))
+        if self.window_kv is not None:
+            out.window_block_ids.append(self.window_kv.window_block_ids(request.request_id))
         out.draft_token_ids.append(request.draft_token_ids)
 
     def _unschedule(self, out: SchedulerOutput, request: Request) -> int:
@@ -544,6 +564,8 @@ class Scheduler:
         if request.background:
             self._background_budget += tokens
         del out.requests[j], out.num_new_tokens[j], out.block_ids[j], out.draft_token_ids[j]
+        if out.window_block_ids:
+            del out.window_block_ids[j]
         request.draft_token_ids = []
         return tokens
 
@@ -633,6 +655,7 @@ class Scheduler:
         generated = 0
         counts_tokens = self.policy.counts_tokens
         caching, block_size = self.kv_cache.enable_caching, self.kv_cache.block_size
+        window_kv = self.window_kv
         ready: list[BeamSearch] = []
         for row, (request, num_new, tokens, drafts) in enumerate(zip(
                 out.requests, out.num_new_tokens, new_token_ids, out.draft_token_ids)):
@@ -650,6 +673,8 @@ class Scheduler:
                 self.kv_cache.cache_blocks(request)  # a block was filled
             if request.pending_forks and request.num_computed_tokens >= request.num_prompt_tokens:
                 self._fork(request, now)
+            if window_kv is not None:  # (after the forks, which may share less)
+                window_kv.slide(request)
             if request.beam is not None:
                 if tokens and request.beam.report(request, beam_candidates[row]):
                     ready.append(request.beam)
@@ -763,6 +788,8 @@ class Scheduler:
         if kv.enable_caching and request.num_computed_tokens // kv.block_size > \
                 start // kv.block_size:
             kv.cache_blocks(request)
+        if self.window_kv is not None:
+            self.window_kv.slide(request)
         if reason is not None:
             self._finish(request, reason, now)
             self._retire(request)
@@ -807,9 +834,8 @@ class Scheduler:
     def _start_fork(self, parent: Request, child: Request, num_tokens: int, now: float) -> None:
         """Start ``child`` running with the parent's KV of its first
         ``num_tokens`` positions (full blocks shared, a partial one copied)."""
-        shared, copy = self.kv_cache.fork(parent.request_id, child.request_id, num_tokens)
-        if copy is not None:
-            self._pending_copies.append(copy)
+        shared, copies = self.kv_cache.fork(parent.request_id, child.request_id, num_tokens)
+        self._pending_copies.extend(copies)
         child.num_computed_tokens = shared
         child.status = RequestStatus.RUNNING
         if child.first_scheduled_time is None:

@@ -199,4 +199,6 @@ def _without_ended(out: SchedulerOutput) -> SchedulerOutput:
         if out.requests[j].is_finished:
             del (out.requests[j], out.num_new_tokens[j], out.block_ids[j],
                  out.draft_token_ids[j])
+            if out.window_block_ids:
+                del out.window_block_ids[j]
     return out

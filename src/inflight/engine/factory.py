@@ -17,6 +17,7 @@ from typing import Any
 from inflight.config import EngineConfig
 from inflight.core.background import BackgroundTier
 from inflight.core.kv_cache_manager import KVCacheManager
+from inflight.core.window_kv import WindowedKVCacheManager
 from inflight.core.policy import PolicyConfig, make_policy
 from inflight.core.request import Request
 from inflight.core.scheduler import Clock, Scheduler
@@ -108,8 +109,15 @@ def build_scheduler(config: EngineConfig, runner: Runner, clock: Clock,
     """The scheduler, its policy and a KV cache manager over the runner's blocks
     (shared by the engine and the simulator); ``ready``: the scheduler's
     predicate of waiting requests that may be admitted."""
-    kv_cache = KVCacheManager(runner.num_kv_blocks, config.block_size, runner.num_host_blocks,
-                              enable_caching=config.enable_prefix_caching)
+    window = getattr(runner, "kv_window", None)
+    if window is None:
+        kv_cache = KVCacheManager(runner.num_kv_blocks, config.block_size, runner.num_host_blocks,
+                                  enable_caching=config.enable_prefix_caching)
+    else:
+        kv_cache = WindowedKVCacheManager(
+            runner.num_kv_blocks, config.block_size, window=window,
+            num_window_blocks=runner.num_window_blocks, num_host_blocks=runner.num_host_blocks,
+            enable_caching=config.enable_prefix_caching)
     scheduler_class = StaticBatchScheduler if config.scheduling == "static" else Scheduler
     policy_config = PolicyConfig(config.priority_aging, config.sjf_aging)
     policy = BackgroundTier(make_policy(config.scheduling_policy, policy_config),

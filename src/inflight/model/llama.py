@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from inflight.attention.backend import AttentionBackend
+from inflight.attention.backend import AttentionBackend, metadata_for
 from inflight.model.checkpoint import CheckpointLoading
 from inflight.model.config import ModelConfig
 from inflight.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding
@@ -57,8 +57,9 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any) -> torch.Tensor:
         """The backend's attention with this layer's scale, window and soft cap."""
-        return self.backend.forward(q, k, v, kv_cache, metadata, scale=self.scale,
-                                    sliding_window=self.sliding_window,
+        return self.backend.forward(q, k, v, kv_cache,
+                                    metadata_for(metadata, self.sliding_window),
+                                    scale=self.scale, sliding_window=self.sliding_window,
                                     logit_softcap=self.logit_softcap)
 
 

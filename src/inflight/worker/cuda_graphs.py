@@ -18,6 +18,10 @@ depends on how long the sequences are: a bucket is captured once per class of
 longest sequence the buffers name (``seq_len_caps``), so that a step of short
 sequences does not pay for the splits a long context needs (at batch 1 the
 merge alone was 7 % of a step at the 1B shape on an H100).
+
+A model whose sliding-window layers have a KV pool of their own
+(``core.window_kv``) has a second set of buffers for that pool's block
+table and slots; its layers see both through ``WindowedMetadata``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from inflight.attention.backend import BatchLayout
+from inflight.attention.backend import BatchLayout, WindowedMetadata
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -95,9 +99,11 @@ class DecodeGraphs:
     class of sequence length."""
 
     def __init__(self, step: StepFn, buffers: DecodeBuffersLike, max_batch: int,
-                 device: torch.device, new_graph: Callable[[], Graph]) -> None:
+                 device: torch.device, new_graph: Callable[[], Graph], *,
+                 window_buffers: DecodeBuffersLike | None = None) -> None:
         self.step = step
         self.buffers = buffers
+        self.window_buffers = window_buffers
         self.sizes = graph_batch_sizes(max_batch)
         self.seq_len_caps = buffers.seq_len_caps()
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -119,6 +125,9 @@ class DecodeGraphs:
     def _capture(self, size: int, cap: int) -> tuple[Graph, torch.Tensor]:
         self.buffers.fill(_empty_layout(), size)  # every row padding
         metadata = self.buffers.metadata(size, cap)
+        if self.window_buffers is not None:
+            self.window_buffers.fill(_empty_layout(), size)
+            metadata = WindowedMetadata(metadata, self.window_buffers.metadata(size, cap))
 
         def run() -> torch.Tensor:
             return self.step(self.input_ids[:size], self.positions[:size], metadata)
@@ -146,6 +155,8 @@ class DecodeGraphs:
         self.positions[:n].copy_(positions, non_blocking=True)
         self.positions[n:size].zero_()
         self.buffers.fill(layout, size)
+        if self.window_buffers is not None:
+            self.window_buffers.fill(layout.window, size)
         graph, logits = self._graphs[bucket]
         graph.replay()
         return logits[:n]

@@ -33,6 +33,7 @@ from inflight.worker.cuda_graphs import cuda_graph_factory
 from inflight.worker.gpu_memory import kv_cache_budget, profile_step
 from inflight.worker.warm_up import warm_up_kernels
 from inflight.worker.kernels import select_kernels
+from inflight.worker.kv_pools import KVPools, kv_window, plan_kv_pools
 from inflight.worker.model_runner import ModelRunner
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 2**30  # off CUDA, when kv_cache_memory is not given
@@ -100,20 +101,28 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
         torch.set_num_threads(config.num_threads)
     dtype = resolve_dtype(config.dtype, device, config.kernel_backend)
     block_bytes = kv_block_bytes(model_config, config.block_size, dtype)
+    ops, backend = select_kernels(config.kernel_backend, device, dtype, model_config,
+                                  batch_invariant=config.batch_invariant)
+    model_class = None if stub_token_id is not None else get_model_class(
+        model_config.architecture)
+    c_kernels = isinstance(ops, CpuOps) and isinstance(backend, CpuPagedBackend)
+    # (A family may turn its fused CPU decoder off per model, as Phi-3 does:
+    # the class's attribute is the most it can be.)
+    window = (None if model_class is None or config.disable_hybrid_kv_cache_manager
+              else kv_window(model_config, not (c_kernels and model_class.fused_cpu_decoder)))
     # On CUDA without a size given, the KV cache gets what is left after the
     # model and a profiled step; otherwise its size is known before loading.
     profile = device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None
     if profile:
-        num_blocks = None
+        pools = None
         max_positions = resolve_max_model_len(config, model_config, capacity_tokens=2**62)
     else:
-        num_blocks = _num_blocks(config, config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
-                                 block_bytes)
-        max_positions = resolve_max_model_len(config, model_config, num_blocks * config.block_size)
+        pools = _kv_pools(config, model_config, dtype, window,
+                          config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+        max_positions = resolve_max_model_len(config, model_config,
+                                              pools.num_blocks * config.block_size)
 
     on_huge_pages = 0  # bytes of packed weights on huge pages
-    ops, backend = select_kernels(config.kernel_backend, device, dtype, model_config,
-                                  batch_invariant=config.batch_invariant)
     # The C kernels compute in float32 (activations, norms, rotary tables) and
     # store the matrices and the KV cache in dtype.
     model_dtype = torch.float32 if isinstance(ops, CpuOps) else dtype
@@ -122,16 +131,14 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
         num_parameters = sum(p.numel() for p in model.parameters())
     else:
         with torch.device(device):
-            model = get_model_class(model_config.architecture)(
-                model_config, backend, ops, max_positions, model_dtype)
+            model = model_class(model_config, backend, ops, max_positions, model_dtype)
         num_parameters = sum(p.numel() for p in model.parameters())  # before packing
         _load_weights(model, config, model_dir, dtype, ops)
         if ops.packs_weights:
             pack_linear_weights(model, ops)
         if device.type == "cpu":
             on_huge_pages = move_packed_weights_to_huge_pages(model)
-        if (isinstance(ops, CpuOps) and isinstance(backend, CpuPagedBackend)
-                and model.fused_cpu_decoder):
+        if c_kernels and model.fused_cpu_decoder:
             model.fused_layers = CpuDecoderLayers(ops.lib, model)
     resident = weight_bytes(model)
     logger.info("weights: %.1f MiB (%s)%s", resident / 2**20,
@@ -139,18 +146,21 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
                 f", {on_huge_pages / 2**20:.1f} MiB of them on 2 MiB pages" if on_huge_pages else "")
     model.eval()
 
-    if num_blocks is None:
-        num_blocks = _num_blocks(config, _profiled_kv_bytes(config, model, backend, model_config,
-                                                            dtype, device), block_bytes)
+    if pools is None:
+        pools = _kv_pools(config, model_config, dtype, window,
+                          _profiled_kv_bytes(config, model, backend, model_config, dtype, device))
+    num_blocks = pools.num_blocks
     max_model_len = resolve_max_model_len(config, model_config, num_blocks * config.block_size)
     num_host_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
-    logger.info("%d KV blocks of %d tokens, max_model_len %d, %s on %s, %s", num_blocks,
-                config.block_size, max_model_len, str(dtype).removeprefix("torch."), device,
-                type(backend).__name__)
+    logger.info("%d KV blocks of %d tokens%s, max_model_len %d, %s on %s, %s", num_blocks,
+                config.block_size, "" if pools.window is None else
+                f" (and {pools.num_window_blocks} for the layers of window {pools.window})",
+                max_model_len, str(dtype).removeprefix("torch."), device, type(backend).__name__)
     runner = ModelRunner(model, backend, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                          block_size=config.block_size, device=device, dtype=dtype,
                          seed=config.seed, max_model_len=max_model_len,
-                         num_parameters=num_parameters, weight_bytes=resident)
+                         num_parameters=num_parameters, weight_bytes=resident,
+                         kv_window=pools.window, num_window_blocks=pools.num_window_blocks)
     if device.type == "cuda" and stub_token_id is None:
         warm_up_kernels(model, backend, max_seq_len=max_model_len, block_size=config.block_size,
                         num_layers=model_config.num_hidden_layers,
@@ -198,12 +208,13 @@ def _load_weights(model: torch.nn.Module, config: EngineConfig, model_dir: Path,
         quantize_weights(model, QuantOps(ops.lib, "bf16"), embeddings=True)
 
 
-def _num_blocks(config: EngineConfig, kv_bytes: int, block_bytes: int) -> int:
-    num_blocks = config.num_kv_blocks or kv_bytes // block_bytes
-    if num_blocks < 1:
+def _kv_pools(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+              window: int | None, kv_bytes: int) -> KVPools:
+    pools = plan_kv_pools(config, model_config, dtype, window, kv_bytes)
+    if pools.num_blocks < 1:
         raise ValueError(f"kv_cache_memory ({kv_bytes} bytes) is smaller than one KV block "
-                         f"({block_bytes} bytes)")
-    return num_blocks
+                         f"({kv_block_bytes(model_config, config.block_size, dtype)} bytes)")
+    return pools
 
 
 def _profiled_kv_bytes(config: EngineConfig, model: torch.nn.Module, backend: AttentionBackend,

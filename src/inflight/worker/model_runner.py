@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from inflight.attention.backend import AttentionBackend, BatchLayout
+from inflight.attention.backend import AttentionBackend, BatchLayout, KVCaches, WindowedMetadata
 from inflight.core.scheduler import PLACEHOLDER_TOKEN, SchedulerOutput
 from inflight.ops.staging import HostStaging
 from inflight.worker.cuda_graphs import DecodeGraphs, Graph
@@ -81,10 +81,14 @@ class ModelRunner:
     def __init__(self, model: nn.Module, backend: AttentionBackend, *, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int,
                  max_model_len: int, num_parameters: int, weight_bytes: int = 0,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, kv_window: int | None = None,
+                 num_window_blocks: int = 0) -> None:
         """``num_parameters``: the model's, as stored (a tied embedding once),
         counted before its weights were packed; ``weight_bytes``: the memory its
-        weights take as loaded (packed, quantized)."""
+        weights take as loaded (packed, quantized). With ``kv_window``, the
+        layers with that sliding window keep their KV in a pool of
+        ``num_window_blocks`` blocks of their own (``core.window_kv``); swapped
+        out, in host blocks numbered as the global layers' are."""
         cfg = model.config
         self._num_threads = torch.get_num_threads()  # (as configured by the loader)
         self.model = model
@@ -97,14 +101,22 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_parameters = num_parameters
         self.weight_bytes = weight_bytes
-        self.kv_caches = backend.allocate_kv_cache(
-            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
-            cfg.head_dim, dtype, device)
+        self.kv_window = kv_window
+        self.num_window_blocks = num_window_blocks if kv_window is not None else 0
+        windows = cfg.sliding_windows or [None] * cfg.num_hidden_layers
+        in_window_pool = [kv_window is not None and w == kv_window for w in windows]
+        heads, head_dim = cfg.num_key_value_heads, cfg.head_dim
+        self.kv_caches, self._full_caches, self._window_caches = _per_layer(
+            in_window_pool, lambda layers, blocks: backend.allocate_kv_cache(
+                layers, blocks, block_size, heads, head_dim, dtype, device),
+            num_blocks, self.num_window_blocks)
         # Where swapped-out KV blocks wait: host memory, pinned for fast copies
         # from a GPU.
-        self.host_kv_caches = backend.allocate_host_cache(
-            cfg.num_hidden_layers, num_host_blocks, block_size, cfg.num_key_value_heads,
-            cfg.head_dim, dtype, pin_memory=device.type == "cuda") if num_host_blocks else []
+        self.host_kv_caches, self._host_full, self._host_window = _per_layer(
+            in_window_pool, lambda layers, blocks: backend.allocate_host_cache(
+                layers, blocks, block_size, heads, head_dim, dtype,
+                pin_memory=device.type == "cuda"),
+            num_host_blocks, num_host_blocks) if num_host_blocks else ([], [], [])
         self.sampler = Sampler(device, seed)
         self._staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
@@ -116,14 +128,16 @@ class ModelRunner:
         """Capture decode-only steps of up to ``max_batch`` requests (the backend
         must provide static decode buffers: ``TritonPagedBackend``)."""
         max_blocks = -(-self.max_model_len // self.block_size)
-        buffers = self.backend.decode_buffers(max_batch, max_blocks, self.max_model_len,
-                                              self.device)
+        buffers = [self.backend.decode_buffers(max_batch, max_blocks, self.max_model_len,
+                                               self.device)
+                   for _ in range(1 if self.kv_window is None else 2)]
 
         def step(input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
             return self.model.compute_logits(
                 self.model(input_ids, positions, self.kv_caches, metadata))
 
-        graphs = DecodeGraphs(step, buffers, max_batch, self.device, new_graph)
+        graphs = DecodeGraphs(step, buffers[0], max_batch, self.device, new_graph,
+                              window_buffers=buffers[1] if len(buffers) > 1 else None)
         with torch.inference_mode():
             graphs.capture()
         self.graphs = graphs
@@ -159,17 +173,21 @@ class ModelRunner:
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(
             query_start_loc[:-1] - context_lens, num_new_np)
 
-        num_blocks = np.fromiter(map(len, out.block_ids), np.int64, num_reqs)
-        block_table = np.zeros((num_reqs, int(num_blocks.max())), dtype=np.int64)
-        block_table[np.arange(block_table.shape[1]) < num_blocks[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(out.block_ids), np.int64, int(num_blocks.sum()))
         token_rows = np.repeat(np.arange(num_reqs), num_new_np)
         bs = self.block_size
-        slot_mapping = block_table[token_rows, positions // bs] * bs + positions % bs
-
+        block_index = positions // bs
+        block_table = _block_table(out.block_ids)
+        window = None
+        if out.window_block_ids:
+            window_table = _block_table(out.window_block_ids)
+            window = BatchLayout(query_start_loc=query_start_loc, context_lens=context_lens,
+                                 seq_lens=seq_lens, block_table=window_table,
+                                 slot_mapping=window_table[token_rows, block_index] * bs
+                                 + positions % bs, block_size=bs)
         layout = BatchLayout(query_start_loc=query_start_loc, context_lens=context_lens,
                              seq_lens=seq_lens, block_table=block_table,
-                             slot_mapping=slot_mapping, block_size=bs)
+                             slot_mapping=block_table[token_rows, block_index] * bs
+                             + positions % bs, block_size=bs, window=window)
         return np.array(token_ids, dtype=np.int64), positions, layout, sample_rows
 
     @staticmethod
@@ -202,12 +220,26 @@ class ModelRunner:
         host memory, then swapped-in blocks back (in that order: a block freed by
         one may be reused by the next). Runs before ``execute``, even for a step
         that computes nothing."""
-        if out.copy_blocks:
-            self.backend.copy_blocks(self.kv_caches, out.copy_blocks)
-        if out.swap_out:
-            self.backend.swap_blocks(self.kv_caches, self.host_kv_caches, out.swap_out)
-        if out.swap_in:
-            self.backend.swap_blocks(self.host_kv_caches, self.kv_caches, out.swap_in)
+        if self.kv_window is None:
+            self._move(self.kv_caches, self.host_kv_caches, out.copy_blocks, out.swap_out,
+                       out.swap_in)
+            return
+        # Window blocks are numbered after the global ones (``core.window_kv``).
+        blocks, host = self.num_kv_blocks, self.num_host_blocks
+        copies = _split_pairs(out.copy_blocks, blocks, blocks)
+        swap_out = _split_pairs(out.swap_out, blocks, host)
+        swap_in = _split_pairs(out.swap_in, host, blocks)
+        self._move(self._full_caches, self._host_full, copies[0], swap_out[0], swap_in[0])
+        self._move(self._window_caches, self._host_window, copies[1], swap_out[1], swap_in[1])
+
+    def _move(self, caches: KVCaches, host_caches: KVCaches, copies: list[tuple[int, int]],
+              swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        if copies:
+            self.backend.copy_blocks(caches, copies)
+        if swap_out:
+            self.backend.swap_blocks(caches, host_caches, swap_out)
+        if swap_in:
+            self.backend.swap_blocks(host_caches, caches, swap_in)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         step = self.prepare_step(out)
@@ -338,19 +370,28 @@ class ModelRunner:
         if not 2 <= n <= limit:
             raise ValueError(f"a text to score needs 2 to {limit} tokens, got {n}")
         block_table = np.arange(-(-n // bs), dtype=np.int64)[None]
+        window = None
+        if self.kv_window is not None:
+            # The window layers' blocks as a ring: a chunk and the window
+            # before it never wrap onto each other.
+            window_table = block_table % self.num_window_blocks
+            chunk_size = min(chunk_size, (self.num_window_blocks - 1) * bs - self.kv_window + 1)
         ids = np.asarray(token_ids, dtype=np.int64)
         logprobs = []
         for start in range(0, n - 1, chunk_size):
             end = min(start + chunk_size, n)
-            layout = BatchLayout(query_start_loc=np.array([0, end - start], dtype=np.int64),
-                                 context_lens=np.array([start], dtype=np.int64),
-                                 seq_lens=np.array([end], dtype=np.int64),
-                                 block_table=block_table,
-                                 slot_mapping=np.arange(start, end, dtype=np.int64),
-                                 block_size=bs)
+            first = dict(query_start_loc=np.array([0, end - start], dtype=np.int64),
+                         context_lens=np.array([start], dtype=np.int64),
+                         seq_lens=np.array([end], dtype=np.int64), block_size=bs)
+            positions = np.arange(start, end, dtype=np.int64)
+            if self.kv_window is not None:
+                window = BatchLayout(block_table=window_table, slot_mapping=window_table[
+                    0, positions // bs] * bs + positions % bs, **first)
+            layout = BatchLayout(block_table=block_table, slot_mapping=positions, window=window,
+                                 **first)
             scored = min(end, n - 1) - start  # positions whose next token is known
-            logits = self._forward(ids[start:end], np.arange(start, end, dtype=np.int64),
-                                   layout, np.arange(scored, dtype=np.int64))
+            logits = self._forward(ids[start:end], positions, layout,
+                                   np.arange(scored, dtype=np.int64))
             targets = torch.from_numpy(ids[start + 1:start + 1 + scored]).to(logits.device)
             chunk = torch.log_softmax(logits.float(), dim=-1)
             logprobs.append(chunk.gather(1, targets[:, None])[:, 0].cpu().numpy())
@@ -363,6 +404,9 @@ class ModelRunner:
         there are none)."""
         ids, pos, index = self._stage(input_ids, [positions, logits_index], feedback)
         metadata = self.backend.build_metadata(layout, self.device)
+        if layout.window is not None:
+            metadata = WindowedMetadata(metadata, self.backend.build_metadata(layout.window,
+                                                                              self.device))
         hidden = self.model(ids, pos, self.kv_caches, metadata)
         if not logits_index.size:
             return None
@@ -370,3 +414,33 @@ class ModelRunner:
         # step), and the gather would only copy.
         return self.model.compute_logits(
             hidden if logits_index.size == hidden.shape[0] else hidden[index])
+
+
+def _block_table(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one ``[rows, longest]`` array, padded with block 0 (as
+    are window table entries behind the window)."""
+    lengths = np.fromiter(map(len, tables), np.int64, len(tables))
+    table = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
+    table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), np.int64, int(lengths.sum()))
+    return np.maximum(table, 0, out=table)
+
+
+def _split_pairs(pairs: list[tuple[int, int]], src_base: int, dst_base: int
+                 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Block pairs of the global pool, and of the window pool (numbered from
+    ``src_base`` / ``dst_base`` on, renumbered from 0)."""
+    full = [(a, b) for a, b in pairs if a < src_base]
+    window = [(a - src_base, b - dst_base) for a, b in pairs if a >= src_base]
+    return full, window
+
+
+def _per_layer(in_window_pool: list[bool], allocate: Callable[[int, int], KVCaches],
+               num_blocks: int, num_window_blocks: int) -> tuple[KVCaches, KVCaches, KVCaches]:
+    """Every layer's (K, V), in layer order, then the global layers' and the
+    window layers': ``allocate(layers, blocks)`` for each pool."""
+    num_window = sum(in_window_pool)
+    full = allocate(len(in_window_pool) - num_window, num_blocks)
+    window = allocate(num_window, num_window_blocks) if num_window else []
+    each = iter(full), iter(window)
+    return [next(each[w]) for w in in_window_pool], full, window

@@ -1,0 +1,251 @@
+"""Sliding-window layers with a KV pool of their own (``core.window_kv``): a
+request holds only its window's blocks of that pool, gives the rest back as
+it advances, and finds the window of a cached prefix or of the request it
+forks from. The engine on Gemma 2 and 3 (tiny random models, windows of 6)
+gives the tokens it gives with one pool over every layer, through
+preemption, prefix caching, speculation, parallel samples and beam search,
+on the C kernels, the PyTorch kernels and the Triton kernels' decode graphs;
+and a Gemma context costs the global layers' blocks plus a window.
+The scheduler's property test runs every option over this manager too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import random_prompts
+
+from inflight import LLM, BeamSearchParams, SamplingParams
+from inflight.core.request import Request
+from inflight.core.window_kv import NO_BLOCK, WindowedKVCacheManager
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _request(rid: str, tokens: list[int], computed: int = 0) -> Request:
+    request = Request(rid, tokens, SamplingParams(), 4, frozenset(), 0.0)
+    request.num_computed_tokens = computed
+    return request
+
+
+def test_a_long_request_holds_only_its_window():
+    kv = WindowedKVCacheManager(num_blocks=64, block_size=4, window=6, num_window_blocks=8)
+    request = _request("a", list(range(200)))
+    for end in range(8, 201, 8):  # chunks of 8 positions
+        assert kv.allocate_slots("a", end) is not None
+        request.num_computed_tokens = end
+        kv.slide(request)
+        table = kv.window_block_ids("a")
+        live = [b for b in table if b != NO_BLOCK]
+        # The window of the first position of the block holding end - 1.
+        assert table.index(live[0]) == max(0, (end - 1) // 4 * 4 - 5) // 4
+        assert len(live) <= 3
+    assert len(kv.block_ids("a")) == 50  # the global layers keep everything
+    kv.free("a")
+    assert kv.num_free_window_blocks == 8 and kv.num_free_blocks == 64
+
+
+def test_a_full_window_pool_refuses_and_changes_nothing():
+    kv = WindowedKVCacheManager(num_blocks=64, block_size=4, window=6, num_window_blocks=3)
+    assert kv.allocate_slots("a", 12) == [0, 1, 2]
+    assert kv.allocate_slots("b", 4) is None
+    assert kv.block_ids("b") == [] and kv.num_free_blocks == 61
+    kv.free("a")
+    assert kv.allocate_slots("b", 4) == [3]
+
+
+def test_a_prefix_hit_needs_the_window_before_its_end():
+    kv = WindowedKVCacheManager(num_blocks=16, block_size=4, window=6, num_window_blocks=16,
+                                enable_caching=True)
+    tokens = list(range(20))
+    first = _request("a", tokens)
+    kv.allocate_slots("a", 20)
+    first.num_computed_tokens = 20
+    kv.cache_blocks(first)
+    kv.slide(first)
+    kv.free("a")
+    second = _request("b", tokens + [99])
+    hit = kv.find_cached_prefix(second)
+    assert len(hit) == 5  # every block and its window still cached
+    # Evict the window block of positions 12-15: a hit may then end at
+    # position 12 (its first query's window, positions 7-11, is cached) but
+    # not later.
+    for block in (kv._wcached[kv.block_hash(b)] for b in hit[3:4]):
+        del kv._wcached[kv._whash[block]]
+        kv._whash[block] = None
+        del kv._wevictable[block]
+        kv._wfree.append(block)
+    hit = kv.find_cached_prefix(second)
+    assert len(hit) == 3
+    assert kv.allocate_slots("b", 21, hit) is not None
+    assert kv.window_block_ids("b")[:3] == [NO_BLOCK] + [kv._wcached[kv.block_hash(b)]
+                                                         for b in hit[1:]]
+
+
+def test_forks_share_the_window_and_copy_the_last_block():
+    kv = WindowedKVCacheManager(num_blocks=16, block_size=4, window=6, num_window_blocks=16)
+    parent = _request("p", list(range(14)))
+    kv.allocate_slots("p", 14)
+    parent.num_computed_tokens = 14
+    kv.slide(parent)
+    shared, copies = kv.fork("p", "c", 13)
+    assert shared == 13
+    window = kv.window_block_ids("p")
+    child = kv.window_block_ids("c")
+    # The child's next query (position 13) sees positions 8-13: block 2 is
+    # shared, block 3 (partly filled) copied; the parent keeps block 1 (the
+    # window of position 12, the first of the block holding its last).
+    assert window[1] != NO_BLOCK and window[0] == NO_BLOCK
+    assert child[:3] == [NO_BLOCK, NO_BLOCK, window[2]] and child[3] != window[3]
+    assert copies == [(kv.block_ids("p")[3], kv.block_ids("c")[3]),
+                      (16 + window[3], 16 + child[3])]
+    assert kv.window_ref_count(window[2]) == 2 and kv.window_ref_count(window[1]) == 1
+
+
+def test_swap_pairs_number_window_blocks_after_the_global_ones():
+    kv = WindowedKVCacheManager(num_blocks=8, block_size=4, window=4, num_window_blocks=6,
+                                num_host_blocks=8)
+    request = _request("a", list(range(16)))
+    kv.allocate_slots("a", 16)
+    request.num_computed_tokens = 16
+    kv.slide(request)
+    window = [b for b in kv.window_block_ids("a") if b != NO_BLOCK]
+    out = kv.swap_out("a")
+    assert out[:4] == list(zip([0, 1, 2, 3], kv.host_block_ids("a")))
+    host = kv.host_block_ids("a")
+    assert out[4:] == [(8 + w, 8 + h) for w, h in zip(window, host[-len(window):])]
+    assert kv.num_free_window_blocks == 6
+    assert kv.can_swap_in("a", 17)
+    back = kv.swap_in("a")
+    assert len(back) == 4 + len(window)
+    assert all(h >= 8 and d >= 8 for h, d in back[4:])
+    kv.free("a")
+    assert kv.num_free_window_blocks == 6
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
+            ) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _assert_no_leak(llm: LLM) -> None:
+    kv = llm.engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks and not kv.owned_blocks()
+    assert kv.num_free_window_blocks == kv.num_window_blocks and not kv.owned_window_blocks()
+
+
+def _prompts() -> list[list[int]]:
+    prefix = random_prompts(1, vocab=384, min_len=20, max_len=20, seed=5)[0]
+    tails = random_prompts(5, vocab=384, min_len=30, max_len=50, seed=6)
+    return [prefix + tail for tail in tails] + [[7, 8, 9, 10] * 8]
+
+
+OPTIONS = {"dtype": "float32", "max_model_len": 128}
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_engine_tokens_equal_one_pool_through_every_feature(tiny_model, name):
+    """A tight engine (8 global blocks of 16, 2 sequences, chunks of 16,
+    prefix caching, speculation) gives each request the tokens it gets alone
+    from an engine with one pool over every layer, with both preemption
+    modes, twice (the second time from the prefix cache); n > 1 samples and
+    beam search give the one pool's results; every block comes back."""
+    path = str(tiny_model(name))
+    prompts = _prompts()
+    one_pool = LLM(path, kv_cache_memory="4MiB", disable_hybrid_kv_cache_manager=True, **OPTIONS)
+    assert not isinstance(one_pool.engine.kv_cache, WindowedKVCacheManager)
+    alone = [_tokens(one_pool, [p])[0] for p in prompts]
+    for mode in ("recompute", "swap"):
+        tight = LLM(path, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2,
+                    enable_prefix_caching=True, preemption_mode=mode, swap_space="4MiB",
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                    **OPTIONS)
+        kv = tight.engine.kv_cache
+        assert isinstance(kv, WindowedKVCacheManager) and kv.num_window_blocks == 7
+        assert _tokens(tight, prompts) == alone, f"{mode}, cold"
+        _assert_no_leak(tight)
+        assert _tokens(tight, prompts) == alone, f"{mode}, cached"
+        _assert_no_leak(tight)
+        stats = tight.engine.scheduler.stats
+        assert stats.num_preemptions > 0 and (stats.num_swaps > 0) == (mode == "swap")
+        assert kv.prefix_cache_hits > 0
+
+    hybrid = LLM(path, kv_cache_memory="4MiB", max_num_seqs=8, **OPTIONS)
+    assert isinstance(hybrid.engine.kv_cache, WindowedKVCacheManager)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    assert _samples(hybrid, prompts[:3], sampled) == _samples(one_pool, prompts[:3], sampled)
+    beams = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    assert _beams(hybrid, prompts[:2], beams) == _beams(one_pool, prompts[:2], beams)
+    _assert_no_leak(hybrid)
+
+
+def _samples(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+def _beams(llm: LLM, prompts: list[list[int]], params: BeamSearchParams) -> list:
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    return [[(s.tokens, round(s.score, 5)) for s in o.sequences] for o in outputs]
+
+
+def test_a_gemma_context_costs_its_global_layers_and_a_window(tiny_model):
+    """Gemma 2's tiny model has a window layer and a global one: with the
+    window pool the same memory holds about twice the positions, and
+    a 500-token prompt holds 3 window blocks at most when it is done. Scoring a
+    text longer than the window pool (the window blocks used as a ring)
+    gives the one pool's log-probabilities."""
+    path = str(tiny_model("gemma2"))
+    options = dict(dtype="float32", kv_cache_memory="2MiB", max_num_seqs=2,
+                   max_num_batched_tokens=64)
+    hybrid = LLM(path, **options)
+    one_pool = LLM(path, disable_hybrid_kv_cache_manager=True, **options)
+    kv = hybrid.engine.kv_cache
+    assert kv.num_blocks > 1.9 * one_pool.engine.kv_cache.num_blocks
+    assert kv.num_window_blocks == 2 * (1 + 2) + 4
+    prompt = random_prompts(1, vocab=384, min_len=500, max_len=500, seed=9)[0]
+    engine = hybrid.engine
+    engine.add_request({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                       request_id="long")
+    while True:
+        engine.step()
+        request = engine.scheduler.requests.get("long")
+        if request is None or request.num_computed_tokens >= len(prompt):
+            break
+        assert sum(b != NO_BLOCK for b in kv.window_block_ids("long")) <= 7
+    live = [b for b in kv.window_block_ids("long") if b != NO_BLOCK]
+    assert len(live) <= 3 and len(kv.block_ids("long")) == 32
+    while engine.has_unfinished_requests():
+        engine.step()
+    text = prompt[:300]
+    np.testing.assert_allclose(hybrid.engine.runner.prompt_logprobs(text),
+                               one_pool.engine.runner.prompt_logprobs(text), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_other_kernels_and_decode_graphs_read_the_window_pool(tiny_model, backend):
+    """The PyTorch kernels, and the Triton kernels (in Triton's interpreter on
+    the CPU) with decode steps replayed from captured graphs whose static
+    buffers hold both block tables, give the one pool's tokens."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from test_triton_engine import ReplayingGraph
+
+    path = str(tiny_model("gemma2"))
+    prompts = random_prompts(4, vocab=384, min_len=10, max_len=40, seed=3)
+    # A window pool of 13 blocks: its block ids soon differ from the global ones.
+    options = dict(dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=64,
+                   max_num_batched_tokens=16, kernel_backend=backend, enforce_eager=True)
+    one_pool = LLM(path, disable_hybrid_kv_cache_manager=True, **options)
+    expected = _tokens(one_pool, prompts)
+    hybrid = LLM(path, **options)
+    assert hybrid.engine.kv_cache.num_window_blocks == 13
+    assert _tokens(hybrid, prompts) == expected
+    if backend == "triton":
+        hybrid.engine.runner.capture_decode_graphs(4, ReplayingGraph)
+        ReplayingGraph.replays = 0
+        assert _tokens(hybrid, prompts) == expected
+        assert ReplayingGraph.replays >= 11
+    _assert_no_leak(hybrid)
