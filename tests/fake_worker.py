@@ -12,7 +12,7 @@ import zlib
 
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.scheduler import SchedulerOutput
-from inflight.core.window_kv import NO_BLOCK, WindowedKVCacheManager
+from inflight.core.window_kv import NO_BLOCK, NULL_WINDOW_BLOCK, WindowedKVCacheManager
 
 VOCAB = 50
 
@@ -161,7 +161,8 @@ def check_window_accounting(kv: WindowedKVCacheManager, running: list) -> None:
         assert table[len(table) - len(live):] == live, "a window table has a hole"
         for block in live:
             holders[block] = holders.get(block, 0) + 1
-    for block in range(kv.num_window_blocks):
+    assert NULL_WINDOW_BLOCK not in holders
+    for block in range(1, kv.num_window_blocks + 1):
         assert kv.window_ref_count(block) == holders.get(block, 0)
     assert len(holders) + kv.num_free_window_blocks == kv.num_window_blocks
     for request in running:

@@ -321,7 +321,8 @@ class TritonPagedBackend(TorchPagedBackend):
                                                   decode=max_query_len == 1)
 
         if self._staging is None or self._staging.device != device:
-            self._staging = HostStaging(device)
+            # (Two buffers: a model with a window pool builds two metadata a step.)
+            self._staging = HostStaging(device, num_buffers=2)
         slots, starts, seq_lens, block_table, tiles, tile_starts = self._staging.to_device(
             [layout.slot_mapping, layout.query_start_loc, layout.seq_lens, layout.block_table,
              tile_seq, tile_q_start])

@@ -50,6 +50,7 @@ from inflight.model.tokenizer import Tokenizer
 from inflight.sim.capacity import burst_capacity
 from inflight.sim.cost_model import LinearCostModel, StepShape, step_shape
 from inflight.sim.simulator import SimConfig
+from inflight.worker.load import kv_block_bytes
 from inflight.worker.runner import Runner, RunnerOutput
 
 
@@ -211,8 +212,9 @@ def calibrate(config: EngineConfig, quick: bool = False, with_serving: bool = Tr
     start = time.perf_counter()
     samples = sweep(engine, recorder, quick)
     runner = recorder.runner
-    block_bytes = sum(t.numel() * t.element_size() for t in _tensors(runner.kv_caches))
-    block_bytes //= max(1, runner.num_kv_blocks)
+    # (One block of every layer: with a window pool, a block's window layers
+    # live there, and the pool never runs out first.)
+    block_bytes = kv_block_bytes(runner.model.config, config.block_size, runner.dtype)
     model = LinearCostModel.fit(
         samples,
         date=datetime.date.today().isoformat(), machine=platform.processor() or platform.machine(),
@@ -228,15 +230,6 @@ def calibrate(config: EngineConfig, quick: bool = False, with_serving: bool = Tr
         model.context["serving_runs"] = fit_serving(model, config,
                                                     duration=15.0 if quick else 30.0)
     return model
-
-
-def _tensors(value: Any) -> list[Any]:
-    """The tensors in a runner's KV cache structure (a tensor, or nested lists)."""
-    if hasattr(value, "numel"):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def run(args: Any, config: EngineConfig) -> int:

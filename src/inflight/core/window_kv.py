@@ -21,11 +21,19 @@ filled block shares only the full blocks before it.
 
 Window blocks are reference-counted (forks share them) and cached under the
 content hashes of their positions, as global blocks are; a prefix-cache hit
-counts only as far as the window blocks before its end are cached too.
+counts only as far as the window blocks before its end are cached too. Hits
+end where a prompt was (a shared system prompt) or where a conversation
+stopped (its next turn), so a window block left behind that holds output
+positions goes back uncached, unless it is in the request's last window:
+cached decode blocks would fill the pool's LRU list and push the useful
+windows out of it.
 
-The worker addresses window block ``w`` as block ``num_blocks + w`` in the
-copy and swap pairs of a step; a swapped-out window block goes to the host
-block of its table entry, addressed ``num_host_blocks + host block``.
+Window blocks are numbered from 1: block 0 of the pool stays zero, and the
+worker reads it for every entry behind the window (masked, but never another
+request's KV). The worker addresses window block ``w`` as block
+``num_blocks + w`` in the copy and swap pairs of a step; a swapped-out window
+block goes to the host block of its table entry, addressed
+``num_host_blocks + host block``.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ if TYPE_CHECKING:
     from inflight.core.request import Request
 
 NO_BLOCK = -1  # a window table entry behind the window
+NULL_WINDOW_BLOCK = 0  # what the worker reads for NO_BLOCK: never handed out
 
 
 def window_blocks_needed(window: int, block_size: int, num_seqs: int, step_tokens: int) -> int:
@@ -57,11 +66,11 @@ class WindowedKVCacheManager(KVCacheManager):
         if window < 1 or num_window_blocks < 1:
             raise ValueError("window and num_window_blocks must be >= 1")
         self.window = window
-        self.num_window_blocks = num_window_blocks
-        self._wfree: deque[int] = deque(range(num_window_blocks))
+        self.num_window_blocks = num_window_blocks  # (the worker has one more: block 0)
+        self._wfree: deque[int] = deque(range(1, num_window_blocks + 1))
         self._wevictable: OrderedDict[int, None] = OrderedDict()
-        self._wref = [0] * num_window_blocks
-        self._whash: list[bytes | None] = [None] * num_window_blocks
+        self._wref = [0] * (num_window_blocks + 1)
+        self._whash: list[bytes | None] = [None] * (num_window_blocks + 1)
         self._wcached: dict[bytes, int] = {}
         self._wtables: dict[str, list[int]] = {}
         self._first_live: dict[str, int] = {}
@@ -106,8 +115,9 @@ class WindowedKVCacheManager(KVCacheManager):
         if kept <= first:
             return
         table = self._wtables[rid]
+        prompt_blocks = request.num_prompt_tokens // self.block_size
         for j in range(first, kept):
-            self._wrelease(table[j])
+            self._wrelease(table[j], keep_cached=j < prompt_blocks)
             table[j] = NO_BLOCK
         self._first_live[rid] = kept
 
@@ -126,10 +136,14 @@ class WindowedKVCacheManager(KVCacheManager):
         self._wref[block] = 1
         return block
 
-    def _wrelease(self, block: int) -> None:
+    def _wrelease(self, block: int, keep_cached: bool = True) -> None:
         self._wref[block] -= 1
         if self._wref[block] == 0:
-            if self._whash[block] is None:
+            h = self._whash[block]
+            if h is not None and not keep_cached:
+                del self._wcached[h]
+                self._whash[block] = h = None
+            if h is None:
                 self._wfree.append(block)
             else:
                 self._wevictable[block] = None

@@ -23,31 +23,41 @@ class HostStaging:
     """One per producer of step inputs. The pinned buffer is reused every step;
     before it is overwritten, the host waits for the previous copy out of it
     (a step that samples nothing does not synchronize, so the device may still
-    be working through earlier steps when the next one is staged)."""
+    be working through earlier steps when the next one is staged).
 
-    def __init__(self, device: torch.device) -> None:
+    A producer that stages ``num_buffers`` times a step (an attention backend
+    building metadata for two block pools) takes its buffers in turn, so that
+    each call waits only for a copy made before the previous step's work, never
+    for one queued behind it."""
+
+    def __init__(self, device: torch.device, num_buffers: int = 1) -> None:
         self.device = device
-        self._pinned: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None  # recorded after the last copy
+        self._pinned: list[torch.Tensor | None] = [None] * num_buffers
+        # Recorded after the last copy out of each buffer.
+        self._copied: list[torch.cuda.Event | None] = [None] * num_buffers
+        self._next = 0
 
     def to_device(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """Device int64 tensors with the arrays' shapes and contents."""
         if self.device.type != "cuda":
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+        i = self._next
+        self._next = (i + 1) % len(self._pinned)
         offsets = aligned_offsets([a.size for a in arrays])
         total = int(offsets[-1])
-        if self._copied is not None:
-            self._copied.synchronize()
-        if self._pinned is None or self._pinned.numel() < total:
-            size = max(total, 2 * (0 if self._pinned is None else self._pinned.numel()), 4096)
-            self._pinned = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        host = self._pinned.numpy()
+        copied, pinned = self._copied[i], self._pinned[i]
+        if copied is not None:
+            copied.synchronize()
+        if pinned is None or pinned.numel() < total:
+            size = max(total, 2 * (0 if pinned is None else pinned.numel()), 4096)
+            pinned = self._pinned[i] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        host = pinned.numpy()
         for a, start in zip(arrays, offsets):
             host[start:start + a.size] = a.ravel()
-        flat = self._pinned[:total].to(self.device, non_blocking=True)
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-        self._copied.record()
+        flat = pinned[:total].to(self.device, non_blocking=True)
+        if copied is None:
+            copied = self._copied[i] = torch.cuda.Event()
+        copied.record()
         return [flat[start:start + a.size].view(a.shape) for a, start in zip(arrays, offsets)]
 
 

@@ -24,15 +24,18 @@ class KVPools:
     num_window_blocks: int = 0
 
 
-def kv_window(model_config: ModelConfig, layers_through_backend: bool) -> int | None:
+def kv_window(config: EngineConfig, model_config: ModelConfig,
+              layers_through_backend: bool) -> int | None:
     """The sliding window whose layers may keep their KV apart: when global
-    layers and layers of one window are interleaved, and every layer attends
-    through the attention backend (the fused CPU decoder reads one block
-    table for all layers)."""
+    layers and layers of one window are interleaved, the window is shorter
+    than the context can be, and every layer attends through the attention
+    backend (the fused CPU decoder reads one block table for all layers)."""
     windows = set(model_config.sliding_windows)
     if not layers_through_backend or None not in windows or len(windows) != 2:
         return None
-    return next(w for w in windows if w is not None)
+    window = next(w for w in windows if w is not None)
+    longest = config.max_model_len or model_config.max_position_embeddings
+    return window if window < longest else None
 
 
 def window_pool_blocks(config: EngineConfig, window: int) -> int:

@@ -109,7 +109,8 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
     # (A family may turn its fused CPU decoder off per model, as Phi-3 does:
     # the class's attribute is the most it can be.)
     window = (None if model_class is None or config.disable_hybrid_kv_cache_manager
-              else kv_window(model_config, not (c_kernels and model_class.fused_cpu_decoder)))
+              else kv_window(config, model_config,
+                             not (c_kernels and model_class.fused_cpu_decoder)))
     # On CUDA without a size given, the KV cache gets what is left after the
     # model and a profiled step; otherwise its size is known before loading.
     profile = device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None

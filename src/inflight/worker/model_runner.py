@@ -106,10 +106,11 @@ class ModelRunner:
         windows = cfg.sliding_windows or [None] * cfg.num_hidden_layers
         in_window_pool = [kv_window is not None and w == kv_window for w in windows]
         heads, head_dim = cfg.num_key_value_heads, cfg.head_dim
+        # (Window block 0 stays zero: what entries behind the window read.)
         self.kv_caches, self._full_caches, self._window_caches = _per_layer(
             in_window_pool, lambda layers, blocks: backend.allocate_kv_cache(
                 layers, blocks, block_size, heads, head_dim, dtype, device),
-            num_blocks, self.num_window_blocks)
+            num_blocks, self.num_window_blocks + 1)
         # Where swapped-out KV blocks wait: host memory, pinned for fast copies
         # from a GPU.
         self.host_kv_caches, self._host_full, self._host_window = _per_layer(
@@ -372,9 +373,9 @@ class ModelRunner:
         block_table = np.arange(-(-n // bs), dtype=np.int64)[None]
         window = None
         if self.kv_window is not None:
-            # The window layers' blocks as a ring: a chunk and the window
-            # before it never wrap onto each other.
-            window_table = block_table % self.num_window_blocks
+            # The window layers' blocks (1..num_window_blocks) as a ring: a
+            # chunk and the window before it never wrap onto each other.
+            window_table = 1 + block_table % self.num_window_blocks
             chunk_size = min(chunk_size, (self.num_window_blocks - 1) * bs - self.kv_window + 1)
         ids = np.asarray(token_ids, dtype=np.int64)
         logprobs = []
@@ -417,8 +418,9 @@ class ModelRunner:
 
 
 def _block_table(tables: list[list[int]]) -> np.ndarray:
-    """Block tables as one ``[rows, longest]`` array, padded with block 0 (as
-    are window table entries behind the window)."""
+    """Block tables as one ``[rows, longest]`` array, padded with block 0 (and
+    window table entries behind the window read the window pool's block 0,
+    which stays zero)."""
     lengths = np.fromiter(map(len, tables), np.int64, len(tables))
     table = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
     table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
