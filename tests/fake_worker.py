@@ -98,7 +98,7 @@ class FakeWorker:
         """The window layers' reads (the first query's window reaches back
         furthest) and writes."""
         kv = self.kv
-        bs, base = kv.block_size, kv.num_blocks
+        bs, base = kv.block_size, kv.window_id_base
         assert table is kv.window_block_ids(request_id)
         for p in range(max(0, start - kv.window + 1), start):
             block = table[p // bs]
@@ -107,6 +107,7 @@ class FakeWorker:
                 f"{request_id} reads wrong window KV at position {p}")
         for p in range(start, start + n):
             block = table[p // bs]
+            assert block != NO_BLOCK, f"{request_id} writes behind its window at {p}"
             assert kv.window_ref_count(block) == 1, "a shared window block is written"
             assert kv.window_block_hash(block) is None, "a cached window block is written"
             self.device[base + block, p % bs] = (tokens[p], p)
@@ -131,7 +132,7 @@ class FakeWorker:
             for i, block in enumerate(kv.window_block_ids(request_id)):
                 if block != NO_BLOCK and kv.window_block_hash(block) is not None:
                     for p in range(i * bs, (i + 1) * bs):
-                        assert self.device.get((kv.num_blocks + block, p % bs)) == (
+                        assert self.device.get((kv.window_id_base + block, p % bs)) == (
                             tokens[p], p), f"cached window block {block} of {request_id}"
 
 
@@ -142,7 +143,13 @@ def check_accounting(kv: KVCacheManager) -> None:
         assert len(table) == len(set(table))
         for block in table:
             holders[block] = holders.get(block, 0) + 1
-    for block in range(kv.num_blocks):
+    if getattr(kv, "shared_pool", False):  # window blocks are pages of the same pool
+        assert NULL_WINDOW_BLOCK not in holders
+        for table in kv.owned_window_blocks().values():
+            for block in table:
+                if block != NO_BLOCK:
+                    holders[block] = holders.get(block, 0) + 1
+    for block in range(len(kv._ref_counts)):
         assert kv.ref_count(block) == holders.get(block, 0)
     assert len(holders) + kv.num_free_blocks == kv.num_blocks, "free + cached + held != all"
 
@@ -162,9 +169,12 @@ def check_window_accounting(kv: WindowedKVCacheManager, running: list) -> None:
         for block in live:
             holders[block] = holders.get(block, 0) + 1
     assert NULL_WINDOW_BLOCK not in holders
-    for block in range(1, kv.num_window_blocks + 1):
-        assert kv.window_ref_count(block) == holders.get(block, 0)
-    assert len(holders) + kv.num_free_window_blocks == kv.num_window_blocks
+    if kv.shared_pool:  # a page holds a global block or a window block, not both
+        assert not holders.keys() & {b for t in tables.values() for b in t}
+    else:  # (a shared pool's counts are check_accounting's)
+        for block in range(1, kv.num_window_blocks + 1):
+            assert kv.window_ref_count(block) == holders.get(block, 0)
+        assert len(holders) + kv.num_free_window_blocks == kv.num_window_blocks
     for request in running:
         table = windows.get(request.request_id, [])
         bs = kv.block_size

@@ -66,10 +66,15 @@ options = st.fixed_dictionaries({
     "host_blocks": st.integers(0, 20),
     "background_tokens": st.integers(1, 6),
     "linger": st.sampled_from([0.0, 3.0]),
-    # Sliding-window layers with a KV pool of their own (core.window_kv): the
-    # window, and blocks beyond the least that pool may have.
+    # Sliding-window layers keeping their KV apart (core.window_kv): the
+    # window, blocks beyond the least their pool may have, and whether that
+    # pool is the global blocks' (pages of either kind).
     "window": st.sampled_from([None, None, 1, 2, 3, 5, 9]),
     "window_extra": st.integers(0, 12),
+    "window_shared": st.booleans(),
+    # A step at which the prefix cache is forgotten (the server's
+    # /reset_prefix_cache).
+    "reset_at": st.one_of(st.none(), st.integers(0, 30)),
 })
 
 SHARED = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -82,10 +87,12 @@ def build(o: dict, clock: StepClock) -> Scheduler:
         kv = KVCacheManager(o["num_blocks"], o["block_size"], o["host_blocks"],
                             enable_caching=o["caching"])
     else:
+        window = window_blocks_needed(o["window"], o["block_size"], 1, budget) + o["window_extra"]
+        shared = o.get("window_shared", False)
         kv = WindowedKVCacheManager(
-            o["num_blocks"], o["block_size"], window=o["window"],
-            num_window_blocks=window_blocks_needed(o["window"], o["block_size"], 1, budget)
-            + o["window_extra"], num_host_blocks=o["host_blocks"], enable_caching=o["caching"])
+            o["num_blocks"] + window if shared else o["num_blocks"], o["block_size"],
+            window=o["window"], num_window_blocks=None if shared else window,
+            num_host_blocks=o["host_blocks"], enable_caching=o["caching"])
     cls = StaticBatchScheduler if o["static"] else Scheduler
     config = PolicyConfig(priority_aging=0.05, sjf_aging=1.0)
     policy = BackgroundTier(make_policy(o["policy"], config), make_policy(o["policy"], config),
@@ -218,6 +225,8 @@ def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
         if any(not r.background and r.fork_parent is None for r in sched.requests.values()):
             interactive_seen = clock.now
         background_before = {r.request_id for r in sched.running if r.background}
+        if step == o.get("reset_at"):
+            kv.reset_prefix_cache()
         out = sched.schedule()
         check_step(sched, out, o)
         around = (interactive_seen is not None

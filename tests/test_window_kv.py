@@ -20,7 +20,8 @@ from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.policy import PolicyConfig, make_policy
 from inflight.core.request import Request
 from inflight.core.scheduler import Scheduler
-from inflight.core.window_kv import NO_BLOCK, WindowedKVCacheManager, window_blocks_needed
+from inflight.core.window_kv import (NO_BLOCK, WINDOW_KEY, WindowedKVCacheManager,
+                                     window_blocks_needed)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -73,7 +74,7 @@ def test_a_prefix_hit_needs_the_window_before_its_end():
     # Evict the window block of positions 12-15: a hit may then end at
     # position 12 (its first query's window, positions 7-11, is cached) but
     # not later.
-    for block in (kv._wcached[kv.block_hash(b)] for b in hit[3:4]):
+    for block in (kv._wcached[kv.block_hash(b) + WINDOW_KEY] for b in hit[3:4]):
         del kv._wcached[kv._whash[block]]
         kv._whash[block] = None
         del kv._wevictable[block]
@@ -81,8 +82,8 @@ def test_a_prefix_hit_needs_the_window_before_its_end():
     hit = kv.find_cached_prefix(second)
     assert len(hit) == 3
     assert kv.allocate_slots("b", 21, hit) is not None
-    assert kv.window_block_ids("b")[:3] == [NO_BLOCK] + [kv._wcached[kv.block_hash(b)]
-                                                         for b in hit[1:]]
+    assert kv.window_block_ids("b")[:3] == [NO_BLOCK] + [
+        kv._wcached[kv.block_hash(b) + WINDOW_KEY] for b in hit[1:]]
 
 
 def test_forks_share_the_window_and_copy_the_last_block():
@@ -124,6 +125,31 @@ def test_swap_pairs_number_window_blocks_after_the_global_ones():
     assert all(h >= 8 and d >= 8 for h, d in back[4:])
     kv.free("a")
     assert kv.num_free_window_blocks == 6
+
+
+def test_a_shared_pool_gives_pages_of_either_kind():
+    """With window blocks in the global pool (as many window layers as
+    global ones): page 0 is never handed out, a long request's pages are its
+    global blocks and its window, pairs keep their page numbers, and a
+    swapped-out window block takes a host block of its own."""
+    kv = WindowedKVCacheManager(num_blocks=20, block_size=4, window=6, num_window_blocks=None,
+                                num_host_blocks=20)
+    request = _request("a", list(range(40)))
+    for end in range(8, 41, 8):
+        assert kv.allocate_slots("a", end) is not None
+        request.num_computed_tokens = end
+        kv.slide(request)
+    table, window = kv.block_ids("a"), [b for b in kv.window_block_ids("a") if b != NO_BLOCK]
+    assert len(table) == 10 and len(window) == 3 and 0 not in table + window
+    assert kv.num_free_blocks == kv.num_free_window_blocks == 20 - 13
+    assert kv.allocate_slots("b", 16) is None  # 4 global + 4 window pages: 7 free
+    pairs = kv.swap_out("a")
+    assert [d for d, _ in pairs] == table + window
+    assert len({h for _, h in pairs}) == 13 and kv.num_free_blocks == 20
+    back = kv.swap_in("a")
+    assert [h for h, _ in back] == [h for _, h in pairs]
+    kv.free("a")
+    assert kv.num_free_blocks == 20 and kv.num_free_host_blocks == 20
 
 
 def _prefix_hits(kv) -> int:
@@ -186,10 +212,17 @@ def _prompts() -> list[list[int]]:
 OPTIONS = {"dtype": "float32", "max_model_len": 128}
 
 
+# Gemma 2's tiny model: a window layer and a global one, pages of either kind
+# in one pool (14 here: the memory of 7 blocks over both layers); Gemma 3's:
+# two window layers and a global one, a window pool of its own (8 global
+# blocks here, 7 window blocks).
+TIGHT_BLOCKS = {"gemma2": 7, "gemma3": 8}
+
+
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_engine_tokens_equal_one_pool_through_every_feature(tiny_model, name):
-    """A tight engine (8 global blocks of 16, 2 sequences, chunks of 16,
-    prefix caching, speculation) gives each request the tokens it gets alone
+    """A tight engine (2 sequences, chunks of 16, prefix caching,
+    speculation) gives each request the tokens it gets alone
     from an engine with one pool over every layer, with both preemption
     modes, twice (the second time from the prefix cache); n > 1 samples and
     beam search give the one pool's results; every block comes back."""
@@ -199,12 +232,13 @@ def test_engine_tokens_equal_one_pool_through_every_feature(tiny_model, name):
     assert not isinstance(one_pool.engine.kv_cache, WindowedKVCacheManager)
     alone = [_tokens(one_pool, [p])[0] for p in prompts]
     for mode in ("recompute", "swap"):
-        tight = LLM(path, num_kv_blocks=8, max_num_batched_tokens=16, max_num_seqs=2,
-                    enable_prefix_caching=True, preemption_mode=mode, swap_space="4MiB",
-                    speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-                    **OPTIONS)
+        tight = LLM(path, num_kv_blocks=TIGHT_BLOCKS[name], max_num_batched_tokens=16,
+                    max_num_seqs=2, enable_prefix_caching=True, preemption_mode=mode,
+                    swap_space="4MiB", **OPTIONS,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
         kv = tight.engine.kv_cache
-        assert isinstance(kv, WindowedKVCacheManager) and kv.num_window_blocks == 7
+        assert isinstance(kv, WindowedKVCacheManager)
+        assert kv.shared_pool if name == "gemma2" else kv.num_window_blocks == 7
         assert _tokens(tight, prompts) == alone, f"{mode}, cold"
         _assert_no_leak(tight)
         assert _tokens(tight, prompts) == alone, f"{mode}, cached"
@@ -232,20 +266,22 @@ def _beams(llm: LLM, prompts: list[list[int]], params: BeamSearchParams) -> list
     return [[(s.tokens, round(s.score, 5)) for s in o.sequences] for o in outputs]
 
 
-def test_a_gemma_context_costs_its_global_layers_and_a_window(tiny_model):
-    """Gemma 2's tiny model has a window layer and a global one: with the
-    window pool the same memory holds about twice the positions, and
-    a 500-token prompt holds 3 window blocks at most when it is done. Scoring a
-    text longer than the window pool (the window blocks used as a ring)
-    gives the one pool's log-probabilities."""
-    path = str(tiny_model("gemma2"))
+@pytest.mark.parametrize("name, ratio", [("gemma2", 1.9), ("gemma3", 2.5)])
+def test_a_gemma_context_costs_its_global_layers_and_a_window(tiny_model, name, ratio):
+    """The same memory holds about twice the positions for Gemma 2's tiny
+    model (pages of half the layers), three times for Gemma 3's (a global
+    layer, and a pool for the two window layers' windows); a 500-token prompt
+    holds 3 window blocks at most when it is done. Scoring a text longer than
+    the window blocks there are (used as a ring) gives the one pool's
+    log-probabilities."""
+    path = str(tiny_model(name))
     options = dict(dtype="float32", kv_cache_memory="2MiB", max_num_seqs=2,
                    max_num_batched_tokens=64)
     hybrid = LLM(path, **options)
     one_pool = LLM(path, disable_hybrid_kv_cache_manager=True, **options)
     kv = hybrid.engine.kv_cache
-    assert kv.num_blocks > 1.9 * one_pool.engine.kv_cache.num_blocks
-    assert kv.num_window_blocks == 2 * (1 + 2) + 4
+    assert kv.num_blocks > ratio * one_pool.engine.kv_cache.num_blocks
+    assert kv.shared_pool if name == "gemma2" else kv.num_window_blocks == 2 * (1 + 2) + 4
     prompt = random_prompts(1, vocab=384, min_len=500, max_len=500, seed=9)[0]
     engine = hybrid.engine
     engine.add_request({"prompt_token_ids": prompt},
@@ -267,8 +303,9 @@ def test_a_gemma_context_costs_its_global_layers_and_a_window(tiny_model):
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_other_kernels_and_decode_graphs_read_the_window_pool(tiny_model, backend):
+@pytest.mark.parametrize("backend, name", [("torch", "gemma2"), ("triton", "gemma2"),
+                                           ("triton", "gemma3")])
+def test_other_kernels_and_decode_graphs_read_the_window_pool(tiny_model, backend, name):
     """The PyTorch kernels, and the Triton kernels (in Triton's interpreter on
     the CPU) with decode steps replayed from captured graphs whose static
     buffers hold both block tables, give the one pool's tokens."""
@@ -276,15 +313,17 @@ def test_other_kernels_and_decode_graphs_read_the_window_pool(tiny_model, backen
         pytest.importorskip("triton")
     from test_triton_engine import ReplayingGraph
 
-    path = str(tiny_model("gemma2"))
+    path = str(tiny_model(name))
     prompts = random_prompts(4, vocab=384, min_len=10, max_len=40, seed=3)
-    # A window pool of 13 blocks: its block ids soon differ from the global ones.
+    # Gemma 3: a window pool of 13 blocks, whose ids soon differ from the
+    # global ones; Gemma 2: window blocks are other pages than global ones.
     options = dict(dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=64,
                    max_num_batched_tokens=16, kernel_backend=backend, enforce_eager=True)
     one_pool = LLM(path, disable_hybrid_kv_cache_manager=True, **options)
     expected = _tokens(one_pool, prompts)
     hybrid = LLM(path, **options)
-    assert hybrid.engine.kv_cache.num_window_blocks == 13
+    kv = hybrid.engine.kv_cache
+    assert kv.shared_pool if name == "gemma2" else kv.num_window_blocks == 13
     assert _tokens(hybrid, prompts) == expected
     if backend == "triton":
         hybrid.engine.runner.capture_decode_graphs(4, ReplayingGraph)
@@ -292,3 +331,20 @@ def test_other_kernels_and_decode_graphs_read_the_window_pool(tiny_model, backen
         assert _tokens(hybrid, prompts) == expected
         assert ReplayingGraph.replays >= 11
     _assert_no_leak(hybrid)
+
+
+def test_shared_pages_never_hold_a_shorter_context_than_one_pool(tiny_model):
+    """Little KV memory against a large step budget: a request's window
+    blocks are never more than its global blocks, so shared pages allow the
+    context one pool does, but the zero page's block (charging each request
+    a whole window and a step's blocks, they allowed none, and the engine did
+    not start)."""
+    path = str(tiny_model("gemma2"))
+    options = dict(dtype="float32", kv_cache_memory=30 * 8192)
+    one_pool = LLM(path, disable_hybrid_kv_cache_manager=True, **options)
+    shared = LLM(path, **options)
+    assert shared.engine.kv_cache.shared_pool
+    assert shared.engine.max_model_len >= one_pool.engine.max_model_len - 16
+    prompt = random_prompts(1, vocab=384, min_len=300, max_len=300, seed=4)[0]
+    assert _tokens(shared, [prompt]) == _tokens(one_pool, [prompt])
+    _assert_no_leak(shared)

@@ -45,7 +45,8 @@ class EngineConfig:
     # Context limit; None takes the model's, capped by what the KV cache holds.
     max_model_len: int | None = None
     block_size: int = 16
-    # KV cache size as bytes (int or "2GiB"); num_kv_blocks, when set, wins.
+    # KV cache size as bytes (int or "2GiB"); num_kv_blocks, when set, wins (for
+    # a model whose window layers keep their KV apart: see worker/kv_pools.py).
     # None: 2 GiB on the CPU; on CUDA, what gpu_memory_utilization leaves.
     kv_cache_memory: int | str | None = None
     num_kv_blocks: int | None = None

@@ -151,11 +151,14 @@ class Scheduler:
             raise ValueError("without chunked prefill, max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
         window_kv = kv_cache if isinstance(kv_cache, WindowedKVCacheManager) else None
-        if window_kv is not None and window_kv.num_window_blocks < window_blocks_needed(
-                window_kv.window, window_kv.block_size, 1, max_num_batched_tokens):
-            raise ValueError(f"{window_kv.num_window_blocks} sliding-window KV blocks cannot "
-                             f"hold one request's window of {window_kv.window} tokens and a "
-                             f"step of {max_num_batched_tokens}")
+        # (A request's window table is as long as its block table: never more
+        # window blocks than global ones.)
+        longest = -(-max_model_len // kv_cache.block_size)
+        if window_kv is not None and not window_kv.holds(longest, min(longest, window_blocks_needed(
+                window_kv.window, kv_cache.block_size, 1, max_num_batched_tokens))):
+            raise ValueError(f"the KV cache cannot hold one request of max_model_len="
+                             f"{max_model_len} with its sliding window of {window_kv.window} "
+                             f"tokens and a step of {max_num_batched_tokens}")
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {preemption_mode!r}")
@@ -222,12 +225,11 @@ class Scheduler:
                              f"{search.max_tokens} may need {need} KV blocks, more than the "
                              f"cache's {kv.num_blocks}")
         window_kv = self.window_kv
-        if window_kv is not None and window_blocks_needed(
-                window_kv.window, kv.block_size, search.width,
-                self.max_num_batched_tokens) > window_kv.num_window_blocks:
-            raise ValueError(f"a beam search of width {search.width} may need more "
-                             f"sliding-window KV blocks than the cache's "
-                             f"{window_kv.num_window_blocks}")
+        if window_kv is not None and not window_kv.holds(need, min(need, window_blocks_needed(
+                window_kv.window, kv.block_size, search.width, self.max_num_batched_tokens))):
+            raise ValueError(f"a beam search of width {search.width} over "
+                             f"{request.num_prompt_tokens} prompt tokens may need more KV "
+                             f"blocks than the cache holds with its sliding windows")
 
     def pop_finished_searches(self) -> list[BeamSearch]:
         """The beam searches that ended since the last call (their beams are

@@ -34,6 +34,16 @@ request's KV). The worker addresses window block ``w`` as block
 ``num_blocks + w`` in the copy and swap pairs of a step; a swapped-out window
 block goes to the host block of its table entry, addressed
 ``num_host_blocks + host block``.
+
+Where the model has as many window layers as global ones (Gemma 2), a block
+of either kind takes the same memory, and the two share one pool of pages
+(``shared_pool``, vLLM's hybrid allocator): the worker's global layer ``k``
+and window layer ``k`` keep their K/V in the same tensors, a page holds a
+global block or a window block, and nothing is set aside for windows. Block
+ids then run from 1 in both tables (page 0 is the zero block, for both),
+pairs are not renumbered, and a swapped-out window block takes a host block
+of its own. A window block's prefix-cache key is its content hash with
+``WINDOW_KEY`` after it, so the two kinds never answer for each other.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ if TYPE_CHECKING:
 
 NO_BLOCK = -1  # a window table entry behind the window
 NULL_WINDOW_BLOCK = 0  # what the worker reads for NO_BLOCK: never handed out
+WINDOW_KEY = b"window"  # after a window block's content hash: its prefix-cache key
 
 
 def window_blocks_needed(window: int, block_size: int, num_seqs: int, step_tokens: int) -> int:
@@ -60,21 +71,37 @@ def window_blocks_needed(window: int, block_size: int, num_seqs: int, step_token
 
 class WindowedKVCacheManager(KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int, *, window: int,
-                 num_window_blocks: int, num_host_blocks: int = 0,
+                 num_window_blocks: int | None, num_host_blocks: int = 0,
                  enable_caching: bool = False) -> None:
-        super().__init__(num_blocks, block_size, num_host_blocks, enable_caching)
-        if window < 1 or num_window_blocks < 1:
-            raise ValueError("window and num_window_blocks must be >= 1")
+        """``num_window_blocks``: the window pool's blocks; None: window blocks
+        are pages of the global pool (``shared_pool``), ``num_blocks`` of them
+        besides page 0. Either way the worker has one block more (block 0)."""
+        self.shared_pool = num_window_blocks is None
+        super().__init__(num_blocks + self.shared_pool, block_size, num_host_blocks,
+                         enable_caching)
+        if window < 1 or num_blocks < 1 or (num_window_blocks is not None
+                                            and num_window_blocks < 1):
+            raise ValueError("window, num_blocks and num_window_blocks must be >= 1")
         self.window = window
-        self.num_window_blocks = num_window_blocks  # (the worker has one more: block 0)
-        self._wfree: deque[int] = deque(range(1, num_window_blocks + 1))
-        self._wevictable: OrderedDict[int, None] = OrderedDict()
-        self._wref = [0] * (num_window_blocks + 1)
-        self._whash: list[bytes | None] = [None] * (num_window_blocks + 1)
-        self._wcached: dict[bytes, int] = {}
         self._wtables: dict[str, list[int]] = {}
         self._first_live: dict[str, int] = {}
         self._host_first_live: dict[str, int] = {}
+        if self.shared_pool:
+            self._free.popleft()  # page 0
+            self.num_blocks = self.num_window_blocks = num_blocks
+            self.window_id_base = 0  # how the step's pairs number window blocks
+            self._wfree, self._wevictable = self._free, self._evictable
+            self._wref, self._whash, self._wcached = (self._ref_counts, self._block_hashes,
+                                                      self._cached)
+            self._host_windows: dict[str, list[int]] = {}  # their own host blocks
+            return
+        self.num_window_blocks = num_window_blocks
+        self.window_id_base = num_blocks
+        self._wfree = deque(range(1, num_window_blocks + 1))
+        self._wevictable = OrderedDict()
+        self._wref = [0] * (num_window_blocks + 1)
+        self._whash = [None] * (num_window_blocks + 1)
+        self._wcached = {}
 
     # ------------------------------------------------------------- the window
     def _needed_from(self, num_computed: int) -> int:
@@ -88,7 +115,24 @@ class WindowedKVCacheManager(KVCacheManager):
 
     @property
     def num_free_window_blocks(self) -> int:
+        """(With a shared pool: the pages free for either kind.)"""
         return len(self._wfree) + len(self._wevictable)
+
+    def holds(self, global_blocks: int, window_blocks: int) -> bool:
+        """Whether the cache, empty, holds that many blocks of each kind."""
+        if self.shared_pool:
+            return global_blocks + window_blocks <= self.num_blocks
+        return global_blocks <= self.num_blocks and window_blocks <= self.num_window_blocks
+
+    def _room(self, global_need: int, window_need: int, reviving_global: int = 0,
+              reviving_window: int = 0) -> bool:
+        """Whether both kinds of new blocks are free (cached blocks taken back
+        from the evictable list are not)."""
+        if self.shared_pool:
+            return (global_need + window_need
+                    <= self.num_free_blocks - reviving_global - reviving_window)
+        return (global_need <= self.num_free_blocks - reviving_global
+                and window_need <= self.num_free_window_blocks - reviving_window)
 
     def window_block_ids(self, request_id: str) -> list[int]:
         """The request's window table (empty if it holds none). Do not mutate."""
@@ -127,6 +171,8 @@ class WindowedKVCacheManager(KVCacheManager):
         self._wref[block] += 1
 
     def _wpop_free(self) -> int:
+        if self.shared_pool:
+            return self._pop_free()  # (evictions counted for either kind)
         if self._wfree:
             block = self._wfree.popleft()
         else:
@@ -164,7 +210,7 @@ class WindowedKVCacheManager(KVCacheManager):
         if not blocks:
             return blocks
         hashes = self._hashes(request, len(blocks) * self.block_size)
-        cached = [h in self._wcached for h in hashes]
+        cached = [h + WINDOW_KEY in self._wcached for h in hashes]
         for num in range(len(blocks), 0, -1):
             if all(cached[self._needed_from(num * self.block_size):num]):
                 return blocks[:num]
@@ -182,12 +228,26 @@ class WindowedKVCacheManager(KVCacheManager):
         hashes = self._hashes(request, request.num_computed_tokens)
         table = self._wtables[rid]
         for i in range(done, full):
-            block, h = table[i], hashes[i]
-            if block != NO_BLOCK and self._whash[block] is None and h not in self._wcached:
-                self._whash[block] = h
-                self._wcached[h] = block
+            block, key = table[i], hashes[i] + WINDOW_KEY
+            if block != NO_BLOCK and self._whash[block] is None and key not in self._wcached:
+                self._whash[block] = key
+                self._wcached[key] = block
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return [h for h in super().cached_block_hashes() if not h.endswith(WINDOW_KEY)]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Global blocks findable in the prefix cache."""
+        if self.shared_pool:
+            return sum(not h.endswith(WINDOW_KEY) for h in self._cached)
+        return super().num_cached_blocks
 
     def reset_prefix_cache(self) -> int:
+        if self.shared_pool:
+            count = self.num_cached_blocks
+            super().reset_prefix_cache()
+            return count
         for block in self._wcached.values():
             self._whash[block] = None
         self._wcached.clear()
@@ -203,7 +263,7 @@ class WindowedKVCacheManager(KVCacheManager):
             need = cdiv(num_tokens, self.block_size) - len(table)
             if need <= 0:
                 return []
-            if need > self.num_free_window_blocks:
+            if not self._room(need, need):
                 return None
             new = super().allocate_slots(request_id, num_tokens)
             if new is not None:
@@ -212,16 +272,18 @@ class WindowedKVCacheManager(KVCacheManager):
         # A new table: the window of a cached prefix comes from the cache.
         first = self._needed_from(len(cached_blocks) * self.block_size)
         hashes = (self._hashes_of_blocks(cached_blocks) if cached_blocks else [])
-        shared = [self._wcached[h] for h in hashes[first:]]
-        need = cdiv(num_tokens, self.block_size) - len(cached_blocks)
-        reviving = sum(self._wref[b] == 0 for b in shared)
-        if max(need, 0) > self.num_free_window_blocks - reviving:
+        shared = [self._wcached[h + WINDOW_KEY] for h in hashes[first:]]
+        need = max(0, cdiv(num_tokens, self.block_size) - len(cached_blocks))
+        if not self._room(need, need, sum(self._ref_counts[b] == 0 for b in cached_blocks),
+                          sum(self._wref[b] == 0 for b in shared)):
             return None
-        new = super().allocate_slots(request_id, num_tokens, cached_blocks)
-        if new is None:
-            return None
-        for block in shared:
+        for block in shared:  # (first: in a shared pool the new blocks might evict them)
             self._wtake(block)
+        new = super().allocate_slots(request_id, num_tokens, cached_blocks)
+        if new is None:  # (not after the room check above; undone all the same)
+            for block in shared:
+                self._wrelease(block)
+            return None
         self._wtables[request_id] = ([NO_BLOCK] * first + shared
                                      + [self._wpop_free() for _ in new])
         self._first_live[request_id] = first
@@ -241,7 +303,7 @@ class WindowedKVCacheManager(KVCacheManager):
         parent = self._wtables[parent_id]
         full = num_tokens // bs
         candidates = [full * bs]
-        if num_tokens % bs and self.num_free_blocks and self.num_free_window_blocks:
+        if num_tokens % bs and self._room(1, 1):
             candidates.insert(0, num_tokens)  # with a copy of the last block
         shared = next((tokens for tokens in candidates if all(
             b != NO_BLOCK for b in parent[self._needed_from(tokens):cdiv(tokens, bs)])), 0)
@@ -253,7 +315,8 @@ class WindowedKVCacheManager(KVCacheManager):
         table = [NO_BLOCK] * first + table
         if copies:
             copy = self._wpop_free()
-            copies.append((self.num_blocks + parent[len(table)], self.num_blocks + copy))
+            base = self.window_id_base
+            copies.append((base + parent[len(table)], base + copy))
             table.append(copy)
         self._wtables[child_id] = table
         self._first_live[child_id] = first
@@ -266,6 +329,8 @@ class WindowedKVCacheManager(KVCacheManager):
                 self._wrelease(block)
         self._first_live.pop(request_id, None)
         self._host_first_live.pop(request_id, None)
+        if self.shared_pool:
+            self._host_free.extend(self._host_windows.pop(request_id, ()))
 
     def free_tail(self, request_id: str, num_tokens: int) -> None:
         super().free_tail(request_id, num_tokens)
@@ -279,24 +344,29 @@ class WindowedKVCacheManager(KVCacheManager):
     # ------------------------------------------------------------------- swap
     def can_swap_in(self, request_id: str, num_tokens: int) -> bool:
         need = cdiv(num_tokens, self.block_size)
-        return (super().can_swap_in(request_id, num_tokens) and need
-                - self._host_first_live.get(request_id, 0) <= self.num_free_window_blocks)
+        return self._room(need, need - self._host_first_live.get(request_id, 0))
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         table = list(self._wtables.get(request_id, ()))
         first = self._first_live.get(request_id, 0)
+        live = table[first:]
+        if self.shared_pool and len(table) + len(live) > len(self._host_free):
+            return None
         pairs = super().swap_out(request_id)  # (frees the window blocks)
         if pairs is None:
             return None
         self._host_first_live[request_id] = first
+        if self.shared_pool:
+            host = self._host_windows[request_id] = [self._host_free.popleft() for _ in live]
+            return pairs + list(zip(live, host))
         host_base = self.num_host_blocks
         return pairs + [(self.num_blocks + block, host_base + host)
-                        for block, (_, host) in zip(table[first:], pairs[first:])]
+                        for block, (_, host) in zip(live, pairs[first:])]
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
         first = self._host_first_live.get(request_id, 0)
         host = self.host_block_ids(request_id)
-        if len(host) - first > self.num_free_window_blocks:
+        if not self._room(len(host), len(host) - first):
             return None
         pairs = super().swap_in(request_id)
         if pairs is None:
@@ -305,6 +375,10 @@ class WindowedKVCacheManager(KVCacheManager):
         table = [self._wpop_free() for _ in host[first:]]
         self._wtables[request_id] = [NO_BLOCK] * first + table
         self._first_live[request_id] = first
+        if self.shared_pool:
+            window_host = self._host_windows.pop(request_id)
+            self._host_reading.extend(window_host)
+            return pairs + list(zip(window_host, table))
         host_base = self.num_host_blocks
         return pairs + [(host_base + h, self.num_blocks + block)
                         for h, block in zip(host[first:], table)]

@@ -116,8 +116,8 @@ def build_scheduler(config: EngineConfig, runner: Runner, clock: Clock,
     else:
         kv_cache = WindowedKVCacheManager(
             runner.num_kv_blocks, config.block_size, window=window,
-            num_window_blocks=runner.num_window_blocks, num_host_blocks=runner.num_host_blocks,
-            enable_caching=config.enable_prefix_caching)
+            num_window_blocks=None if runner.window_pool_shared else runner.num_window_blocks,
+            num_host_blocks=runner.num_host_blocks, enable_caching=config.enable_prefix_caching)
     scheduler_class = StaticBatchScheduler if config.scheduling == "static" else Scheduler
     policy_config = PolicyConfig(config.priority_aging, config.sjf_aging)
     policy = BackgroundTier(make_policy(config.scheduling_policy, policy_config),

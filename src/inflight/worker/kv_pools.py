@@ -1,10 +1,17 @@
-"""How the KV cache's memory is divided into blocks: one pool over every
-layer, or, for a model that interleaves sliding-window layers with global ones
-(Gemma 2 and 3), a pool for the global layers and a pool of window blocks
-(``core.window_kv``) sized for ``max_num_seqs`` requests each holding its
-window and its share of a step. The window pool is used only where it is
-smaller than one pool over every layer would be: otherwise (short contexts,
-small caches) the window layers keep all their blocks, as the others do."""
+"""How the KV cache's memory is divided into blocks, for a model that
+interleaves sliding-window layers with global ones (``core.window_kv``):
+
+- as many window layers as global ones (Gemma 2): one pool of pages of half
+  the layers, a page a global block or a window block (``shared``): as many
+  positions as one pool over every layer (but the zero page's block), and at
+  long contexts up to twice as many;
+- other ratios (Gemma 3: five window layers to one global): a pool for the
+  global layers and a pool of window blocks sized for ``max_num_seqs``
+  requests each holding its window and its share of a step, used only where
+  it is smaller than one pool over every layer would be (a short context
+  needs every position in both kinds of layer, and that pool never runs out
+  first); otherwise the window layers keep all their blocks, as the others
+  do."""
 
 from __future__ import annotations
 
@@ -20,8 +27,18 @@ from inflight.model.config import ModelConfig
 @dataclass(frozen=True)
 class KVPools:
     num_blocks: int             # blocks of the global layers (of every layer without a window pool)
-    window: int | None          # the window whose layers have a pool of their own
-    num_window_blocks: int = 0
+    window: int | None          # the window whose layers keep their KV apart
+    num_window_blocks: int = 0  # the window pool's blocks (0: shared with the global layers)
+    shared: bool = False        # one pool of pages for both kinds (besides page 0)
+
+    def capacity_tokens(self, config: EngineConfig) -> int:
+        """The longest context one request can have alone (with shared pages:
+        its global blocks and at most as many window blocks, or a window)."""
+        bs = config.block_size
+        if not self.shared:
+            return self.num_blocks * bs
+        window = window_blocks_needed(self.window, bs, 1, config.max_num_batched_tokens)
+        return max(self.num_blocks - window, self.num_blocks // 2) * bs
 
 
 def kv_window(config: EngineConfig, model_config: ModelConfig,
@@ -47,8 +64,9 @@ def window_pool_blocks(config: EngineConfig, window: int) -> int:
 
 def plan_kv_pools(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
                   window: int | None, kv_bytes: int) -> KVPools:
-    """The pools ``kv_bytes`` of memory hold (``config.num_kv_blocks``, when
-    set, is the global layers' blocks)."""
+    """The pools ``kv_bytes`` of memory hold. ``config.num_kv_blocks``, when
+    set, wins: the global layers' blocks beside a window pool, or the memory
+    of that many blocks over every layer as shared pages."""
     element = torch.empty((), dtype=dtype).element_size()
     layer_bytes = model_config.kv_bytes_per_token // model_config.num_hidden_layers \
         * config.block_size * element  # one layer's K and V of one block
@@ -57,6 +75,10 @@ def plan_kv_pools(config: EngineConfig, model_config: ModelConfig, dtype: torch.
     if window is None:
         return KVPools(one_pool, None)
     window_layers = sum(w == window for w in model_config.sliding_windows)
+    if 2 * window_layers == layers:  # (num_kv_blocks: blocks over every layer, two pages each)
+        pages = 2 * config.num_kv_blocks if config.num_kv_blocks else kv_bytes // (
+            window_layers * layer_bytes)
+        return KVPools(pages - 1, window, 0, shared=True)  # (page 0: the zero block)
     window_blocks = window_pool_blocks(config, window)
     if window_blocks >= one_pool:
         return KVPools(one_pool, None)

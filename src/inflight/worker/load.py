@@ -121,7 +121,7 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
         pools = _kv_pools(config, model_config, dtype, window,
                           config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
         max_positions = resolve_max_model_len(config, model_config,
-                                              pools.num_blocks * config.block_size)
+                                              pools.capacity_tokens(config))
 
     on_huge_pages = 0  # bytes of packed weights on huge pages
     # The C kernels compute in float32 (activations, norms, rotary tables) and
@@ -151,17 +151,23 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
         pools = _kv_pools(config, model_config, dtype, window,
                           _profiled_kv_bytes(config, model, backend, model_config, dtype, device))
     num_blocks = pools.num_blocks
-    max_model_len = resolve_max_model_len(config, model_config, num_blocks * config.block_size)
-    num_host_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
+    max_model_len = resolve_max_model_len(config, model_config, pools.capacity_tokens(config))
+    # (Shared pages hold half the layers each.)
+    host_block_bytes = block_bytes // 2 if pools.shared else block_bytes
+    num_host_blocks = (config.swap_space // host_block_bytes if config.preemption_mode == "swap"
+                       else 0)
     logger.info("%d KV blocks of %d tokens%s, max_model_len %d, %s on %s, %s", num_blocks,
                 config.block_size, "" if pools.window is None else
+                f" (pages of either kind for the layers of window {pools.window})"
+                if pools.shared else
                 f" (and {pools.num_window_blocks} for the layers of window {pools.window})",
                 max_model_len, str(dtype).removeprefix("torch."), device, type(backend).__name__)
     runner = ModelRunner(model, backend, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                          block_size=config.block_size, device=device, dtype=dtype,
                          seed=config.seed, max_model_len=max_model_len,
                          num_parameters=num_parameters, weight_bytes=resident,
-                         kv_window=pools.window, num_window_blocks=pools.num_window_blocks)
+                         kv_window=pools.window, num_window_blocks=pools.num_window_blocks,
+                         window_pool_shared=pools.shared)
     if device.type == "cuda" and stub_token_id is None:
         warm_up_kernels(model, backend, max_seq_len=max_model_len, block_size=config.block_size,
                         num_layers=model_config.num_hidden_layers,

@@ -82,13 +82,16 @@ class ModelRunner:
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int,
                  max_model_len: int, num_parameters: int, weight_bytes: int = 0,
                  num_host_blocks: int = 0, kv_window: int | None = None,
-                 num_window_blocks: int = 0) -> None:
+                 num_window_blocks: int = 0, window_pool_shared: bool = False) -> None:
         """``num_parameters``: the model's, as stored (a tied embedding once),
         counted before its weights were packed; ``weight_bytes``: the memory its
         weights take as loaded (packed, quantized). With ``kv_window``, the
         layers with that sliding window keep their KV in a pool of
         ``num_window_blocks`` blocks of their own (``core.window_kv``); swapped
-        out, in host blocks numbered as the global layers' are."""
+        out, in host blocks numbered as the global layers' are. With
+        ``window_pool_shared`` (as many window layers as global ones) the
+        window layers instead share the global layers' tensors: ``num_blocks``
+        pages of either kind, and page 0."""
         cfg = model.config
         self._num_threads = torch.get_num_threads()  # (as configured by the loader)
         self.model = model
@@ -103,21 +106,24 @@ class ModelRunner:
         self.weight_bytes = weight_bytes
         self.kv_window = kv_window
         self.num_window_blocks = num_window_blocks if kv_window is not None else 0
+        self.window_pool_shared = window_pool_shared and kv_window is not None
         windows = cfg.sliding_windows or [None] * cfg.num_hidden_layers
         in_window_pool = [kv_window is not None and w == kv_window for w in windows]
         heads, head_dim = cfg.num_key_value_heads, cfg.head_dim
         # (Window block 0 stays zero: what entries behind the window read.)
+        shared = self.window_pool_shared
         self.kv_caches, self._full_caches, self._window_caches = _per_layer(
             in_window_pool, lambda layers, blocks: backend.allocate_kv_cache(
                 layers, blocks, block_size, heads, head_dim, dtype, device),
-            num_blocks, self.num_window_blocks + 1)
+            num_blocks + shared, None if shared else self.num_window_blocks + 1)
         # Where swapped-out KV blocks wait: host memory, pinned for fast copies
         # from a GPU.
         self.host_kv_caches, self._host_full, self._host_window = _per_layer(
             in_window_pool, lambda layers, blocks: backend.allocate_host_cache(
                 layers, blocks, block_size, heads, head_dim, dtype,
                 pin_memory=device.type == "cuda"),
-            num_host_blocks, num_host_blocks) if num_host_blocks else ([], [], [])
+            num_host_blocks, None if shared else num_host_blocks
+        ) if num_host_blocks else ([], [], [])
         self.sampler = Sampler(device, seed)
         self._staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
@@ -221,8 +227,8 @@ class ModelRunner:
         host memory, then swapped-in blocks back (in that order: a block freed by
         one may be reused by the next). Runs before ``execute``, even for a step
         that computes nothing."""
-        if self.kv_window is None:
-            self._move(self.kv_caches, self.host_kv_caches, out.copy_blocks, out.swap_out,
+        if self.kv_window is None or self.window_pool_shared:  # (one set of tensors)
+            self._move(self._full_caches, self._host_full, out.copy_blocks, out.swap_out,
                        out.swap_in)
             return
         # Window blocks are numbered after the global ones (``core.window_kv``).
@@ -370,26 +376,34 @@ class ModelRunner:
         limit = min(self.max_model_len, self.num_kv_blocks * bs)
         if not 2 <= n <= limit:
             raise ValueError(f"a text to score needs 2 to {limit} tokens, got {n}")
-        block_table = np.arange(-(-n // bs), dtype=np.int64)[None]
+        num_blocks = -(-n // bs)
+        block_table = np.arange(num_blocks, dtype=np.int64)[None]
         window = None
         if self.kv_window is not None:
-            # The window layers' blocks (1..num_window_blocks) as a ring: a
-            # chunk and the window before it never wrap onto each other.
-            window_table = 1 + block_table % self.num_window_blocks
-            chunk_size = min(chunk_size, (self.num_window_blocks - 1) * bs - self.kv_window + 1)
+            # The window layers' blocks as a ring (window blocks 1.., or the
+            # pages after the global ones'): a chunk and the window before it
+            # never wrap onto each other.
+            if self.window_pool_shared:
+                block_table += 1  # (page 0 stays zero)
+                ring_start, ring = num_blocks + 1, self.num_kv_blocks - num_blocks
+            else:
+                ring_start, ring = 1, self.num_window_blocks
+            window_table = ring_start + np.arange(num_blocks, dtype=np.int64)[None] % ring
+            if ring < num_blocks:  # (the capacity leaves a ring longer than the window)
+                chunk_size = min(chunk_size, (ring - 1) * bs - self.kv_window + 1)
         ids = np.asarray(token_ids, dtype=np.int64)
         logprobs = []
         for start in range(0, n - 1, chunk_size):
             end = min(start + chunk_size, n)
-            first = dict(query_start_loc=np.array([0, end - start], dtype=np.int64),
-                         context_lens=np.array([start], dtype=np.int64),
-                         seq_lens=np.array([end], dtype=np.int64), block_size=bs)
+            step = dict(query_start_loc=np.array([0, end - start], dtype=np.int64),
+                        context_lens=np.array([start], dtype=np.int64),
+                        seq_lens=np.array([end], dtype=np.int64), block_size=bs)
             positions = np.arange(start, end, dtype=np.int64)
             if self.kv_window is not None:
                 window = BatchLayout(block_table=window_table, slot_mapping=window_table[
-                    0, positions // bs] * bs + positions % bs, **first)
-            layout = BatchLayout(block_table=block_table, slot_mapping=positions, window=window,
-                                 **first)
+                    0, positions // bs] * bs + positions % bs, **step)
+            layout = BatchLayout(block_table=block_table, slot_mapping=block_table[
+                0, positions // bs] * bs + positions % bs, window=window, **step)
             scored = min(end, n - 1) - start  # positions whose next token is known
             logits = self._forward(ids[start:end], positions, layout,
                                    np.arange(scored, dtype=np.int64))
@@ -438,11 +452,17 @@ def _split_pairs(pairs: list[tuple[int, int]], src_base: int, dst_base: int
 
 
 def _per_layer(in_window_pool: list[bool], allocate: Callable[[int, int], KVCaches],
-               num_blocks: int, num_window_blocks: int) -> tuple[KVCaches, KVCaches, KVCaches]:
+               num_blocks: int, num_window_blocks: int | None
+               ) -> tuple[KVCaches, KVCaches, KVCaches]:
     """Every layer's (K, V), in layer order, then the global layers' and the
-    window layers': ``allocate(layers, blocks)`` for each pool."""
+    window layers': ``allocate(layers, blocks)`` for each pool, or, with
+    ``num_window_blocks`` None, the k-th window layer on the k-th global
+    layer's tensors (as many of each)."""
     num_window = sum(in_window_pool)
     full = allocate(len(in_window_pool) - num_window, num_blocks)
-    window = allocate(num_window, num_window_blocks) if num_window else []
+    if num_window_blocks is None:
+        window = full
+    else:
+        window = allocate(num_window, num_window_blocks) if num_window else []
     each = iter(full), iter(window)
     return [next(each[w]) for w in in_window_pool], full, window
