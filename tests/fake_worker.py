@@ -149,7 +149,7 @@ def check_accounting(kv: KVCacheManager) -> None:
             for block in table:
                 if block != NO_BLOCK:
                     holders[block] = holders.get(block, 0) + 1
-    for block in range(len(kv._ref_counts)):
+    for block in range(len(kv._pool.ref_counts)):
         assert kv.ref_count(block) == holders.get(block, 0)
     assert len(holders) + kv.num_free_blocks == kv.num_blocks, "free + cached + held != all"
 

@@ -51,7 +51,7 @@ def test_blocks_are_never_owned_twice_or_lost(num_blocks, block_size, ops):
         owned = [b for table in kv.owned_blocks().values() for b in table]
         assert len(owned) == len(set(owned)), "a block is owned twice"
         assert len(owned) + kv.num_free_blocks == num_blocks, "a block was lost"
-        assert set(owned).isdisjoint(kv._free)
+        assert set(owned).isdisjoint(kv._pool.free)
 
 
 def test_host_blocks_read_by_a_swap_in_are_not_reused_in_the_same_step():

@@ -74,16 +74,15 @@ def test_a_prefix_hit_needs_the_window_before_its_end():
     # Evict the window block of positions 12-15: a hit may then end at
     # position 12 (its first query's window, positions 7-11, is cached) but
     # not later.
-    for block in (kv._wcached[kv.block_hash(b) + WINDOW_KEY] for b in hit[3:4]):
-        del kv._wcached[kv._whash[block]]
-        kv._whash[block] = None
-        del kv._wevictable[block]
-        kv._wfree.append(block)
+    pool = kv._wpool
+    for block in (pool.cached[kv.block_hash(b) + WINDOW_KEY] for b in hit[3:4]):
+        pool.take(block)
+        pool.release(block, keep_cached=False)
     hit = kv.find_cached_prefix(second)
     assert len(hit) == 3
     assert kv.allocate_slots("b", 21, hit) is not None
     assert kv.window_block_ids("b")[:3] == [NO_BLOCK] + [
-        kv._wcached[kv.block_hash(b) + WINDOW_KEY] for b in hit[1:]]
+        pool.cached[kv.block_hash(b) + WINDOW_KEY] for b in hit[1:]]
 
 
 def test_forks_share_the_window_and_copy_the_last_block():

@@ -11,10 +11,9 @@ Prefix caching: once a block is full and its KV computed, it is registered
 under its content hash (``core.block_hash``). A new request whose leading blocks
 hash the same takes those blocks instead of recomputing them (its reference
 raises the block's count). A full block is never written again, so sharing it
-is safe. When a block's count drops to zero it keeps its content and stays
-findable ("evictable"); plain free blocks are handed out first, and evictable
-ones are reclaimed least recently used first, only once no plain one is left.
-A request frees its blocks tail first, so its tail is evicted before its head.
+is safe. The pool (``core.block_pool``) keeps a released cached block findable
+until its memory is needed, least recently released first. A request frees
+its blocks tail first, so its tail is evicted before its head.
 
 Parallel samples of one prompt share the prompt's blocks by ``fork``; the
 partly filled last block, which a sample will write, is copied instead
@@ -29,11 +28,12 @@ next step): a swap-out in the same step would overwrite them first.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from inflight.core.block_hash import extend_block_hashes
+from inflight.core.block_pool import BlockPool
 
 if TYPE_CHECKING:
     from inflight.core.request import Request
@@ -45,18 +45,16 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_caching: bool = False) -> None:
+                 enable_caching: bool = False, first_block: int = 0) -> None:
+        """Device blocks ``first_block ..``; the worker's blocks below that
+        are never handed out."""
         if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
             raise ValueError("num_blocks and block_size must be >= 1, num_host_blocks >= 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.enable_caching = enable_caching
-        self._free: deque[int] = deque(range(num_blocks))  # hold nothing reusable
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused; LRU first
-        self._ref_counts = [0] * num_blocks
-        self._block_hashes: list[bytes | None] = [None] * num_blocks
-        self._cached: dict[bytes, int] = {}  # content hash -> block
+        self._pool = BlockPool(num_blocks, first_block)  # keys: content hashes
         self._tables: dict[str, list[int]] = {}
         # Leading blocks of each table already registered in (or checked against)
         # the prefix cache.
@@ -67,16 +65,23 @@ class KVCacheManager:
         # Prompt tokens looked up in the prefix cache, and of those found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self.num_evicted_blocks = 0
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        return self._pool.num_evicted
+
+    @num_evicted_blocks.setter
+    def num_evicted_blocks(self, value: int) -> None:
+        self._pool.num_evicted = value
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds: plain free ones and evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        return self._pool.num_free
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._cached)
+        return len(self._pool.cached)
 
     @property
     def usage(self) -> float:
@@ -92,11 +97,11 @@ class KVCacheManager:
         return self._tables.get(request_id, [])
 
     def ref_count(self, block: int) -> int:
-        return self._ref_counts[block]
+        return self._pool.ref_counts[block]
 
     def block_hash(self, block: int) -> bytes | None:
         """The content hash a block is cached under, if any."""
-        return self._block_hashes[block]
+        return self._pool.keys[block]
 
     # ----------------------------------------------------------- prefix cache
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -108,7 +113,7 @@ class KVCacheManager:
         hashes = self._hashes(request, request.num_tokens)
         blocks = []
         for h in hashes[:(request.num_tokens - 1) // self.block_size]:
-            block = self._cached.get(h)
+            block = self._pool.cached.get(h)
             if block is None:
                 break
             blocks.append(block)
@@ -127,16 +132,14 @@ class KVCacheManager:
         full = request.num_computed_tokens // self.block_size
         if full <= done:
             return
-        hashes = self._hashes(request, request.num_computed_tokens)
-        table = self._tables[rid]
-        for i in range(done, full):
-            block, h = table[i], hashes[i]
-            # Already cached under this hash (a hit), or a twin computed by
-            # another request got there first: leave the map as it is.
-            if self._block_hashes[block] is None and h not in self._cached:
-                self._block_hashes[block] = h
-                self._cached[h] = block
+        self._register(rid, self._hashes(request, request.num_computed_tokens), done, full)
         self._num_hashed[rid] = full
+
+    def _register(self, request_id: str, hashes: list[bytes], start: int, end: int) -> None:
+        """Cache the request's blocks ``start .. end - 1`` under their hashes."""
+        table = self._tables[request_id]
+        for i in range(start, end):
+            self._pool.register(table[i], hashes[i])
 
     def _hashes(self, request: Request, num_tokens: int) -> list[bytes]:
         return extend_block_hashes(request.block_hashes, request.all_token_ids, num_tokens,
@@ -144,18 +147,12 @@ class KVCacheManager:
 
     def cached_block_hashes(self) -> list[bytes]:
         """The hashes of every block findable in the prefix cache."""
-        return list(self._cached)
+        return list(self._pool.cached)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (in use ones stay with their requests);
         returns how many were forgotten."""
-        count = len(self._cached)
-        for block in self._cached.values():
-            self._block_hashes[block] = None
-        self._cached.clear()
-        self._free.extend(self._evictable)
-        self._evictable.clear()
-        return count
+        return self._pool.reset()
 
     # ------------------------------------------------------------- allocation
     def allocate_slots(self, request_id: str, num_tokens: int,
@@ -171,41 +168,23 @@ class KVCacheManager:
             need = cdiv(num_tokens, self.block_size) - len(table)
             if need <= 0:
                 return []
-            if need > len(self._free) + len(self._evictable):
+            if need > self._pool.num_free:
                 return None
         else:
             need = cdiv(num_tokens, self.block_size) - len(cached_blocks)
-            reviving = sum(self._ref_counts[b] == 0 for b in cached_blocks)
-            if need > self.num_free_blocks - reviving:
+            reviving = sum(self._pool.ref_counts[b] == 0 for b in cached_blocks)
+            if need > self._pool.num_free - reviving:
                 return None
             table = self._tables[request_id] = []
             for block in cached_blocks:
-                self._take(block)
+                self._pool.take(block)
             table.extend(cached_blocks)
             self._num_hashed[request_id] = len(cached_blocks)
             if need <= 0:
                 return []
-        new = [self._pop_free() for _ in range(need)]
+        new = [self._pool.pop_free() for _ in range(need)]
         table.extend(new)
         return new
-
-    def _take(self, block: int) -> None:
-        if self._ref_counts[block] == 0:
-            del self._evictable[block]
-        self._ref_counts[block] += 1
-
-    def _pop_free(self) -> int:
-        """A block for new content: a plain free one, else the least recently
-        used cached one, which is evicted."""
-        if self._free:
-            block = self._free.popleft()
-        else:
-            block, _ = self._evictable.popitem(last=False)
-            del self._cached[self._block_hashes[block]]
-            self._block_hashes[block] = None
-            self.num_evicted_blocks += 1
-        self._ref_counts[block] = 1
-        return block
 
     def fork(self, parent_id: str, child_id: str,
              num_tokens: int) -> tuple[int, list[tuple[int, int]]]:
@@ -218,19 +197,19 @@ class KVCacheManager:
         full = num_tokens // self.block_size
         table = self._tables[child_id] = []
         for block in parent[:full]:
-            self._take(block)
+            self._pool.take(block)
             table.append(block)
         self._num_hashed[child_id] = 0
-        if full * self.block_size == num_tokens or not self.num_free_blocks:
+        if full * self.block_size == num_tokens or not self._pool.num_free:
             return full * self.block_size, []
-        copy = self._pop_free()
+        copy = self._pool.pop_free()
         table.append(copy)
         return num_tokens, [(parent[full], copy)]
 
     def free(self, request_id: str) -> None:
         """Release all of the request's blocks, device and host."""
         for block in reversed(self._tables.pop(request_id, ())):
-            self._release(block)
+            self._pool.release(block)
         self._num_hashed.pop(request_id, None)
         self._host_free.extend(self._host_tables.pop(request_id, ()))
 
@@ -240,15 +219,7 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         keep = cdiv(num_tokens, self.block_size)
         while table is not None and len(table) > keep:
-            self._release(table.pop())
-
-    def _release(self, block: int) -> None:
-        self._ref_counts[block] -= 1
-        if self._ref_counts[block] == 0:
-            if self._block_hashes[block] is None:
-                self._free.append(block)
-            else:
-                self._evictable[block] = None
+            self._pool.release(table.pop())
 
     # ------------------------------------------------------------------- swap
     @property
@@ -286,9 +257,9 @@ class KVCacheManager:
         (host, device) pairs to copy, or None, changing nothing, if the device
         pool is too small."""
         host = self._host_tables.get(request_id, [])
-        if len(host) > self.num_free_blocks:
+        if len(host) > self._pool.num_free:
             return None
-        device = [self._pop_free() for _ in host]
+        device = [self._pool.pop_free() for _ in host]
         self._tables[request_id] = device
         self._num_hashed[request_id] = 0
         self._host_reading.extend(self._host_tables.pop(request_id, ()))

@@ -48,10 +48,10 @@ of its own. A window block's prefix-cache key is its content hash with
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from inflight.core.block_pool import BlockPool
 from inflight.core.kv_cache_manager import KVCacheManager, cdiv
 
 if TYPE_CHECKING:
@@ -77,31 +77,24 @@ class WindowedKVCacheManager(KVCacheManager):
         are pages of the global pool (``shared_pool``), ``num_blocks`` of them
         besides page 0. Either way the worker has one block more (block 0)."""
         self.shared_pool = num_window_blocks is None
-        super().__init__(num_blocks + self.shared_pool, block_size, num_host_blocks,
-                         enable_caching)
         if window < 1 or num_blocks < 1 or (num_window_blocks is not None
                                             and num_window_blocks < 1):
             raise ValueError("window, num_blocks and num_window_blocks must be >= 1")
+        super().__init__(num_blocks, block_size, num_host_blocks, enable_caching,
+                         first_block=int(self.shared_pool))  # (page 0: the zero block)
         self.window = window
         self._wtables: dict[str, list[int]] = {}
         self._first_live: dict[str, int] = {}
         self._host_first_live: dict[str, int] = {}
         if self.shared_pool:
-            self._free.popleft()  # page 0
-            self.num_blocks = self.num_window_blocks = num_blocks
+            self.num_window_blocks = num_blocks
             self.window_id_base = 0  # how the step's pairs number window blocks
-            self._wfree, self._wevictable = self._free, self._evictable
-            self._wref, self._whash, self._wcached = (self._ref_counts, self._block_hashes,
-                                                      self._cached)
+            self._wpool = self._pool  # (keys: content hash + WINDOW_KEY)
             self._host_windows: dict[str, list[int]] = {}  # their own host blocks
             return
         self.num_window_blocks = num_window_blocks
         self.window_id_base = num_blocks
-        self._wfree = deque(range(1, num_window_blocks + 1))
-        self._wevictable = OrderedDict()
-        self._wref = [0] * (num_window_blocks + 1)
-        self._whash = [None] * (num_window_blocks + 1)
-        self._wcached = {}
+        self._wpool = BlockPool(num_window_blocks, first=1)
 
     # ------------------------------------------------------------- the window
     def _needed_from(self, num_computed: int) -> int:
@@ -116,7 +109,7 @@ class WindowedKVCacheManager(KVCacheManager):
     @property
     def num_free_window_blocks(self) -> int:
         """(With a shared pool: the pages free for either kind.)"""
-        return len(self._wfree) + len(self._wevictable)
+        return self._wpool.num_free
 
     def holds(self, global_blocks: int, window_blocks: int) -> bool:
         """Whether the cache, empty, holds that many blocks of each kind."""
@@ -139,10 +132,10 @@ class WindowedKVCacheManager(KVCacheManager):
         return self._wtables.get(request_id, [])
 
     def window_ref_count(self, block: int) -> int:
-        return self._wref[block]
+        return self._wpool.ref_counts[block]
 
     def window_block_hash(self, block: int) -> bytes | None:
-        return self._whash[block]
+        return self._wpool.keys[block]
 
     def owned_window_blocks(self) -> dict[str, list[int]]:
         """Every request's window table, for invariant checks."""
@@ -161,38 +154,9 @@ class WindowedKVCacheManager(KVCacheManager):
         table = self._wtables[rid]
         prompt_blocks = request.num_prompt_tokens // self.block_size
         for j in range(first, kept):
-            self._wrelease(table[j], keep_cached=j < prompt_blocks)
+            self._wpool.release(table[j], keep_cached=j < prompt_blocks)
             table[j] = NO_BLOCK
         self._first_live[rid] = kept
-
-    def _wtake(self, block: int) -> None:
-        if self._wref[block] == 0:
-            del self._wevictable[block]
-        self._wref[block] += 1
-
-    def _wpop_free(self) -> int:
-        if self.shared_pool:
-            return self._pop_free()  # (evictions counted for either kind)
-        if self._wfree:
-            block = self._wfree.popleft()
-        else:
-            block, _ = self._wevictable.popitem(last=False)
-            del self._wcached[self._whash[block]]
-            self._whash[block] = None
-        self._wref[block] = 1
-        return block
-
-    def _wrelease(self, block: int, keep_cached: bool = True) -> None:
-        self._wref[block] -= 1
-        if self._wref[block] == 0:
-            h = self._whash[block]
-            if h is not None and not keep_cached:
-                del self._wcached[h]
-                self._whash[block] = h = None
-            if h is None:
-                self._wfree.append(block)
-            else:
-                self._wevictable[block] = None
 
     # ----------------------------------------------------------- prefix cache
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -210,28 +174,18 @@ class WindowedKVCacheManager(KVCacheManager):
         if not blocks:
             return blocks
         hashes = self._hashes(request, len(blocks) * self.block_size)
-        cached = [h + WINDOW_KEY in self._wcached for h in hashes]
+        cached = [h + WINDOW_KEY in self._wpool.cached for h in hashes]
         for num in range(len(blocks), 0, -1):
             if all(cached[self._needed_from(num * self.block_size):num]):
                 return blocks[:num]
         return []
 
-    def cache_blocks(self, request: Request) -> None:
-        if not self.enable_caching:
-            return
-        rid = request.request_id
-        done = self._num_hashed.get(rid, 0)
-        super().cache_blocks(request)
-        full = self._num_hashed.get(rid, 0)
-        if full <= done:
-            return
-        hashes = self._hashes(request, request.num_computed_tokens)
-        table = self._wtables[rid]
-        for i in range(done, full):
-            block, key = table[i], hashes[i] + WINDOW_KEY
-            if block != NO_BLOCK and self._whash[block] is None and key not in self._wcached:
-                self._whash[block] = key
-                self._wcached[key] = block
+    def _register(self, request_id: str, hashes: list[bytes], start: int, end: int) -> None:
+        super()._register(request_id, hashes, start, end)
+        table = self._wtables[request_id]
+        for i in range(start, end):
+            if table[i] != NO_BLOCK:
+                self._wpool.register(table[i], hashes[i] + WINDOW_KEY)
 
     def cached_block_hashes(self) -> list[bytes]:
         return [h for h in super().cached_block_hashes() if not h.endswith(WINDOW_KEY)]
@@ -240,20 +194,15 @@ class WindowedKVCacheManager(KVCacheManager):
     def num_cached_blocks(self) -> int:
         """Global blocks findable in the prefix cache."""
         if self.shared_pool:
-            return sum(not h.endswith(WINDOW_KEY) for h in self._cached)
+            return sum(not h.endswith(WINDOW_KEY) for h in self._pool.cached)
         return super().num_cached_blocks
 
     def reset_prefix_cache(self) -> int:
-        if self.shared_pool:
-            count = self.num_cached_blocks
-            super().reset_prefix_cache()
-            return count
-        for block in self._wcached.values():
-            self._whash[block] = None
-        self._wcached.clear()
-        self._wfree.extend(self._wevictable)
-        self._wevictable.clear()
-        return super().reset_prefix_cache()
+        count = self.num_cached_blocks
+        if not self.shared_pool:
+            self._wpool.reset()
+        super().reset_prefix_cache()
+        return count
 
     # ------------------------------------------------------------- allocation
     def allocate_slots(self, request_id: str, num_tokens: int,
@@ -267,31 +216,31 @@ class WindowedKVCacheManager(KVCacheManager):
                 return None
             new = super().allocate_slots(request_id, num_tokens)
             if new is not None:
-                table.extend(self._wpop_free() for _ in new)
+                table.extend(self._wpool.pop_free() for _ in new)
             return new
         # A new table: the window of a cached prefix comes from the cache.
         first = self._needed_from(len(cached_blocks) * self.block_size)
         hashes = (self._hashes_of_blocks(cached_blocks) if cached_blocks else [])
-        shared = [self._wcached[h + WINDOW_KEY] for h in hashes[first:]]
+        shared = [self._wpool.cached[h + WINDOW_KEY] for h in hashes[first:]]
         need = max(0, cdiv(num_tokens, self.block_size) - len(cached_blocks))
-        if not self._room(need, need, sum(self._ref_counts[b] == 0 for b in cached_blocks),
-                          sum(self._wref[b] == 0 for b in shared)):
+        if not self._room(need, need, sum(self._pool.ref_counts[b] == 0 for b in cached_blocks),
+                          sum(self._wpool.ref_counts[b] == 0 for b in shared)):
             return None
         for block in shared:  # (first: in a shared pool the new blocks might evict them)
-            self._wtake(block)
+            self._wpool.take(block)
         new = super().allocate_slots(request_id, num_tokens, cached_blocks)
         if new is None:  # (not after the room check above; undone all the same)
             for block in shared:
-                self._wrelease(block)
+                self._wpool.release(block)
             return None
         self._wtables[request_id] = ([NO_BLOCK] * first + shared
-                                     + [self._wpop_free() for _ in new])
+                                     + [self._wpool.pop_free() for _ in new])
         self._first_live[request_id] = first
         return new
 
     def _hashes_of_blocks(self, blocks: Sequence[int]) -> list[bytes]:
         """The content hashes of cached global blocks (a prefix-cache hit)."""
-        return [self._block_hashes[b] for b in blocks]
+        return [self._pool.keys[b] for b in blocks]
 
     def fork(self, parent_id: str, child_id: str,
              num_tokens: int) -> tuple[int, list[tuple[int, int]]]:
@@ -311,10 +260,10 @@ class WindowedKVCacheManager(KVCacheManager):
         first = self._needed_from(shared)
         table = parent[first:shared // bs]
         for block in table:
-            self._wtake(block)
+            self._wpool.take(block)
         table = [NO_BLOCK] * first + table
         if copies:
-            copy = self._wpop_free()
+            copy = self._wpool.pop_free()
             base = self.window_id_base
             copies.append((base + parent[len(table)], base + copy))
             table.append(copy)
@@ -326,7 +275,7 @@ class WindowedKVCacheManager(KVCacheManager):
         super().free(request_id)
         for block in reversed(self._wtables.pop(request_id, ())):
             if block != NO_BLOCK:
-                self._wrelease(block)
+                self._wpool.release(block)
         self._first_live.pop(request_id, None)
         self._host_first_live.pop(request_id, None)
         if self.shared_pool:
@@ -339,7 +288,7 @@ class WindowedKVCacheManager(KVCacheManager):
         while table is not None and len(table) > keep:
             block = table.pop()
             if block != NO_BLOCK:
-                self._wrelease(block)
+                self._wpool.release(block)
 
     # ------------------------------------------------------------------- swap
     def can_swap_in(self, request_id: str, num_tokens: int) -> bool:
@@ -372,7 +321,7 @@ class WindowedKVCacheManager(KVCacheManager):
         if pairs is None:
             return None
         del self._host_first_live[request_id]
-        table = [self._wpop_free() for _ in host[first:]]
+        table = [self._wpool.pop_free() for _ in host[first:]]
         self._wtables[request_id] = [NO_BLOCK] * first + table
         self._first_live[request_id] = first
         if self.shared_pool:

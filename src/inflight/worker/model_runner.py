@@ -182,19 +182,18 @@ class ModelRunner:
 
         token_rows = np.repeat(np.arange(num_reqs), num_new_np)
         bs = self.block_size
-        block_index = positions // bs
         block_table = _block_table(out.block_ids)
         window = None
         if out.window_block_ids:
             window_table = _block_table(out.window_block_ids)
             window = BatchLayout(query_start_loc=query_start_loc, context_lens=context_lens,
                                  seq_lens=seq_lens, block_table=window_table,
-                                 slot_mapping=window_table[token_rows, block_index] * bs
-                                 + positions % bs, block_size=bs)
+                                 slot_mapping=_slots(window_table, token_rows, positions, bs),
+                                 block_size=bs)
         layout = BatchLayout(query_start_loc=query_start_loc, context_lens=context_lens,
                              seq_lens=seq_lens, block_table=block_table,
-                             slot_mapping=block_table[token_rows, block_index] * bs
-                             + positions % bs, block_size=bs, window=window)
+                             slot_mapping=_slots(block_table, token_rows, positions, bs),
+                             block_size=bs, window=window)
         return np.array(token_ids, dtype=np.int64), positions, layout, sample_rows
 
     @staticmethod
@@ -400,10 +399,11 @@ class ModelRunner:
                         seq_lens=np.array([end], dtype=np.int64), block_size=bs)
             positions = np.arange(start, end, dtype=np.int64)
             if self.kv_window is not None:
-                window = BatchLayout(block_table=window_table, slot_mapping=window_table[
-                    0, positions // bs] * bs + positions % bs, **step)
-            layout = BatchLayout(block_table=block_table, slot_mapping=block_table[
-                0, positions // bs] * bs + positions % bs, window=window, **step)
+                window = BatchLayout(block_table=window_table,
+                                     slot_mapping=_slots(window_table, 0, positions, bs), **step)
+            layout = BatchLayout(block_table=block_table,
+                                 slot_mapping=_slots(block_table, 0, positions, bs),
+                                 window=window, **step)
             scored = min(end, n - 1) - start  # positions whose next token is known
             logits = self._forward(ids[start:end], positions, layout,
                                    np.arange(scored, dtype=np.int64))
@@ -440,6 +440,13 @@ def _block_table(tables: list[list[int]]) -> np.ndarray:
     table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
         itertools.chain.from_iterable(tables), np.int64, int(lengths.sum()))
     return np.maximum(table, 0, out=table)
+
+
+def _slots(table: np.ndarray, rows: np.ndarray | int, positions: np.ndarray,
+           block_size: int) -> np.ndarray:
+    """The KV slot of each position: the block its row's table gives for it,
+    times the block size, plus its offset in the block."""
+    return table[rows, positions // block_size] * block_size + positions % block_size
 
 
 def _split_pairs(pairs: list[tuple[int, int]], src_base: int, dst_base: int

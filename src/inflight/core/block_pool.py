@@ -1,0 +1,82 @@
+"""A pool of KV blocks: which are free, how many requests hold each, and which
+are cached under a content key (the prefix cache).
+
+A block no request holds is either plain free or, if it is cached, evictable:
+it keeps its content and can be taken back by a later request with the same
+prefix. New content goes into a plain free block first, and only once none is
+left into the least recently released evictable one, whose key is forgotten.
+Only integers and keys live here; the worker owns the tensors the ids address.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, first: int = 0) -> None:
+        """Blocks ``first ..`` ``first + num_blocks - 1``; ids below ``first``
+        are never handed out."""
+        self.num_blocks = num_blocks
+        self.free: deque[int] = deque(range(first, first + num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently released first
+        self.ref_counts = [0] * (first + num_blocks)
+        self.keys: list[bytes | None] = [None] * (first + num_blocks)  # each block's cache key
+        self.cached: dict[bytes, int] = {}  # cache key -> block
+        self.num_evicted = 0
+
+    @property
+    def num_free(self) -> int:
+        """Blocks no request holds: plain free ones and evictable cached ones."""
+        return len(self.free) + len(self.evictable)
+
+    def take(self, block: int) -> None:
+        """One more holder of a block (a prefix hit, a fork's shared block)."""
+        if self.ref_counts[block] == 0:
+            del self.evictable[block]
+        self.ref_counts[block] += 1
+
+    def pop_free(self) -> int:
+        """A block for new content, held once: a plain free one, else the least
+        recently released cached one, which is evicted."""
+        if self.free:
+            block = self.free.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.keys[block]]
+            self.keys[block] = None
+            self.num_evicted += 1
+        self.ref_counts[block] = 1
+        return block
+
+    def release(self, block: int, keep_cached: bool = True) -> None:
+        """One holder fewer; with none left the block stays findable if it is
+        cached (unless ``keep_cached`` is false), else it is plain free."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            key = self.keys[block]
+            if key is not None and not keep_cached:
+                del self.cached[key]
+                self.keys[block] = key = None
+            if key is None:
+                self.free.append(block)
+            else:
+                self.evictable[block] = None
+
+    def register(self, block: int, key: bytes) -> None:
+        """Cache a block under ``key``, unless it is cached already (a hit) or
+        another block holds that content (a twin computed beside it)."""
+        if self.keys[block] is None and key not in self.cached:
+            self.keys[block] = key
+            self.cached[key] = block
+
+    def reset(self) -> int:
+        """Forget every cached block (held ones stay with their holders);
+        returns how many were forgotten."""
+        count = len(self.cached)
+        for block in self.cached.values():
+            self.keys[block] = None
+        self.cached.clear()
+        self.free.extend(self.evictable)
+        self.evictable.clear()
+        return count

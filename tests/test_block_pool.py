@@ -1,0 +1,54 @@
+"""The block pool: free blocks before cached ones, eviction least recently
+released first, keys forgotten on eviction and on reset."""
+
+from inflight.core.block_pool import BlockPool
+
+
+def test_plain_free_blocks_go_before_cached_ones_and_eviction_is_lru():
+    pool = BlockPool(4, first=1)
+    blocks = [pool.pop_free() for _ in range(4)]
+    assert blocks == [1, 2, 3, 4] and pool.num_free == 0
+    for block, key in zip(blocks[:3], (b"a", b"b", b"c")):
+        pool.register(block, key)
+    for block in (2, 1, 3, 4):  # released in this order
+        pool.release(block)
+    assert pool.num_free == 4 and len(pool.free) == 1  # block 4 was never cached
+    assert pool.pop_free() == 4
+    assert pool.pop_free() == 2 and pool.num_evicted == 1  # least recently released
+    assert b"b" not in pool.cached and pool.keys[2] is None
+    assert pool.cached == {b"a": 1, b"c": 3}
+
+
+def test_taking_a_cached_block_back_keeps_it_from_eviction():
+    pool = BlockPool(2)
+    a, b = pool.pop_free(), pool.pop_free()
+    pool.register(a, b"a")
+    pool.register(b, b"b")
+    pool.release(a)
+    pool.release(b)
+    pool.take(a)  # a prefix hit
+    assert pool.ref_counts[a] == 1 and pool.pop_free() == b
+    assert pool.cached == {b"a": a}
+
+
+def test_a_twin_is_not_registered_and_a_release_may_forget_the_key():
+    pool = BlockPool(3)
+    a, b = pool.pop_free(), pool.pop_free()
+    pool.register(a, b"same")
+    pool.register(b, b"same")  # computed beside it: the first stays the one cached
+    assert pool.cached == {b"same": a} and pool.keys[b] is None
+    pool.take(a)
+    pool.release(a)
+    pool.release(a, keep_cached=False)
+    assert pool.cached == {} and a in pool.free
+
+
+def test_reset_forgets_every_key_but_leaves_held_blocks_held():
+    pool = BlockPool(3)
+    held, released = pool.pop_free(), pool.pop_free()
+    pool.register(held, b"h")
+    pool.register(released, b"r")
+    pool.release(released)
+    assert pool.reset() == 2
+    assert pool.cached == {} and pool.keys == [None] * 3
+    assert pool.ref_counts[held] == 1 and pool.num_free == 2 and not pool.evictable
