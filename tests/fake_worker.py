@@ -3,11 +3,13 @@ whose KV it holds, and checks every read and write against the request's
 tokens (no torch). A request that reads a slot holding another token would
 compute garbage; a write into a shared or cached block would corrupt another
 request's KV. With a ``WindowedKVCacheManager`` it checks the window layers'
-table too: every read within a query's window, every write, and that the
-blocks behind a request's window are given back."""
+tables too (one per group of window layers): every read within a query's
+window, every write, and that the blocks behind a request's window are given
+back."""
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 from inflight.core.kv_cache_manager import KVCacheManager
@@ -32,8 +34,8 @@ def next_token_candidates(tokens: list[int], k: int) -> list[tuple[int, float]]:
 
 class FakeWorker:
     """Holds (token, position) per device and host KV slot; checks every read
-    and write against the request's tokens. Window blocks are numbered after
-    the global ones, as in the step's block pairs."""
+    and write against the request's tokens. A page holds a global block or
+    one group's page of a window block."""
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
@@ -93,24 +95,26 @@ class FakeWorker:
                 sampled.append([])
         return sampled
 
-    def window_step(self, table: list[int], tokens: list[int], start: int, n: int,
+    def window_step(self, groups: list[list[int]], tokens: list[int], start: int, n: int,
                     request_id: str) -> None:
         """The window layers' reads (the first query's window reaches back
-        furthest) and writes."""
+        furthest) and writes, in each group's pages."""
         kv = self.kv
-        bs, base = kv.block_size, kv.window_id_base
-        assert table is kv.window_block_ids(request_id)
-        for p in range(max(0, start - kv.window + 1), start):
-            block = table[p // bs]
-            assert block != NO_BLOCK, f"{request_id}'s window lost position {p}"
-            assert self.device.get((base + block, p % bs)) == (tokens[p], p), (
-                f"{request_id} reads wrong window KV at position {p}")
-        for p in range(start, start + n):
-            block = table[p // bs]
-            assert block != NO_BLOCK, f"{request_id} writes behind its window at {p}"
-            assert kv.window_ref_count(block) == 1, "a shared window block is written"
-            assert kv.window_block_hash(block) is None, "a cached window block is written"
-            self.device[base + block, p % bs] = (tokens[p], p)
+        bs, table = kv.block_size, kv.window_block_ids(request_id)
+        assert groups == kv.window_group_tables(request_id) and len(groups) == kv.window_pages
+        assert groups[0] is table
+        for g, pages in enumerate(groups):
+            assert [b if b == NO_BLOCK else kv.window_block_pages(b)[g] for b in table] == pages
+            for p in range(max(0, start - kv.window + 1), start):
+                assert pages[p // bs] != NO_BLOCK, f"{request_id}'s window lost position {p}"
+                assert self.device.get((pages[p // bs], p % bs)) == (tokens[p], p), (
+                    f"{request_id} reads wrong window KV at position {p} (group {g})")
+            for p in range(start, start + n):
+                block = table[p // bs]
+                assert block != NO_BLOCK, f"{request_id} writes behind its window at {p}"
+                assert kv.ref_count(block) == 1, "a shared window block is written"
+                assert kv.block_hash(block) is None, "a cached window block is written"
+                self.device[pages[p // bs], p % bs] = (tokens[p], p)
 
     @staticmethod
     def beam_candidates(out: SchedulerOutput, sampled: list[list[int]]
@@ -130,51 +134,54 @@ class FakeWorker:
                         f"cached block {block} of {request_id} holds another token at {p}")
         if isinstance(kv, WindowedKVCacheManager):
             for i, block in enumerate(kv.window_block_ids(request_id)):
-                if block != NO_BLOCK and kv.window_block_hash(block) is not None:
-                    for p in range(i * bs, (i + 1) * bs):
-                        assert self.device.get((kv.window_id_base + block, p % bs)) == (
-                            tokens[p], p), f"cached window block {block} of {request_id}"
+                if block != NO_BLOCK and kv.block_hash(block) is not None:
+                    for page, p in itertools.product(kv.window_block_pages(block),
+                                                     range(i * bs, (i + 1) * bs)):
+                        assert self.device.get((page, p % bs)) == (tokens[p], p), (
+                            f"cached window block {block} of {request_id}")
 
 
 def check_accounting(kv: KVCacheManager) -> None:
+    """Reference counts are the tables' holders, and every page is held or
+    free (a window block's companions held with it)."""
     tables = kv.owned_blocks()
     holders: dict[int, int] = {}
     for table in tables.values():
         assert len(table) == len(set(table))
         for block in table:
             holders[block] = holders.get(block, 0) + 1
-    if getattr(kv, "shared_pool", False):  # window blocks are pages of the same pool
-        assert NULL_WINDOW_BLOCK not in holders
+    companions: list[int] = []
+    if isinstance(kv, WindowedKVCacheManager):  # window blocks are pages of the same pool
         for table in kv.owned_window_blocks().values():
             for block in table:
                 if block != NO_BLOCK:
                     holders[block] = holders.get(block, 0) + 1
+        companions = [p for b in holders for p in kv.window_block_pages(b)[1:]]
+        assert NULL_WINDOW_BLOCK not in holders and NULL_WINDOW_BLOCK not in companions
+        assert len(set(companions)) == len(companions) and not holders.keys() & set(companions)
     for block in range(len(kv._pool.ref_counts)):
         assert kv.ref_count(block) == holders.get(block, 0)
-    assert len(holders) + kv.num_free_blocks == kv.num_blocks, "free + cached + held != all"
+    assert len(holders) + len(companions) + kv.num_free_blocks == kv.num_blocks, (
+        "free + cached + held != all")
 
 
 def check_window_accounting(kv: WindowedKVCacheManager, running: list) -> None:
     """Window tables line up with the block tables, hold blocks from their
-    first live entry on, count their references, and a running request holds
-    none behind the window of the block its last computed position is in
-    (kept for forks)."""
+    first live entry on, share no page with a global block, and a running
+    request holds none behind the window of the block its last computed
+    position is in (kept for forks)."""
     tables, windows = kv.owned_blocks(), kv.owned_window_blocks()
     assert set(windows) == set(tables)
-    holders: dict[int, int] = {}
+    live_blocks: set[int] = set()
     for rid, table in windows.items():
         assert len(table) == len(tables[rid])
         live = [b for b in table if b != NO_BLOCK]
         assert table[len(table) - len(live):] == live, "a window table has a hole"
-        for block in live:
-            holders[block] = holders.get(block, 0) + 1
-    assert NULL_WINDOW_BLOCK not in holders
-    if kv.shared_pool:  # a page holds a global block or a window block, not both
-        assert not holders.keys() & {b for t in tables.values() for b in t}
-    else:  # (a shared pool's counts are check_accounting's)
-        for block in range(1, kv.num_window_blocks + 1):
-            assert kv.window_ref_count(block) == holders.get(block, 0)
-        assert len(holders) + kv.num_free_window_blocks == kv.num_window_blocks
+        live_blocks.update(live)
+    assert NULL_WINDOW_BLOCK not in live_blocks
+    pages = {p for b in live_blocks for p in kv.window_block_pages(b)}
+    assert not pages & {b for t in tables.values() for b in t}, (
+        "a page holds a global block and a window block")
     for request in running:
         table = windows.get(request.request_id, [])
         bs = kv.block_size

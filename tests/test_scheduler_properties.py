@@ -66,12 +66,12 @@ options = st.fixed_dictionaries({
     "host_blocks": st.integers(0, 20),
     "background_tokens": st.integers(1, 6),
     "linger": st.sampled_from([0.0, 3.0]),
-    # Sliding-window layers keeping their KV apart (core.window_kv): the
-    # window, blocks beyond the least their pool may have, and whether that
-    # pool is the global blocks' (pages of either kind).
+    # Sliding-window layers keeping only their window's KV (core.window_kv):
+    # the window, window blocks beyond the least the pages must hold, and the
+    # pages a window block takes (its groups of window layers).
     "window": st.sampled_from([None, None, 1, 2, 3, 5, 9]),
     "window_extra": st.integers(0, 12),
-    "window_shared": st.booleans(),
+    "window_pages": st.sampled_from([1, 1, 2, 3]),
     # A step at which the prefix cache is forgotten (the server's
     # /reset_prefix_cache).
     "reset_at": st.one_of(st.none(), st.integers(0, 30)),
@@ -88,11 +88,10 @@ def build(o: dict, clock: StepClock) -> Scheduler:
                             enable_caching=o["caching"])
     else:
         window = window_blocks_needed(o["window"], o["block_size"], 1, budget) + o["window_extra"]
-        shared = o.get("window_shared", False)
+        pages = o.get("window_pages", 1)
         kv = WindowedKVCacheManager(
-            o["num_blocks"] + window if shared else o["num_blocks"], o["block_size"],
-            window=o["window"], num_window_blocks=None if shared else window,
-            num_host_blocks=o["host_blocks"], enable_caching=o["caching"])
+            o["num_blocks"] + pages * window, o["block_size"], window=o["window"],
+            window_pages=pages, num_host_blocks=o["host_blocks"], enable_caching=o["caching"])
     cls = StaticBatchScheduler if o["static"] else Scheduler
     config = PolicyConfig(priority_aging=0.05, sjf_aging=1.0)
     policy = BackgroundTier(make_policy(o["policy"], config), make_policy(o["policy"], config),
@@ -257,8 +256,7 @@ def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
     assert kv.num_free_host_blocks == kv.num_host_blocks
     assert not kv.owned_blocks()
     if isinstance(kv, WindowedKVCacheManager):
-        assert kv.num_free_window_blocks == kv.num_window_blocks
-        assert not kv.owned_window_blocks()
+        assert not kv.owned_window_blocks() and not kv.window_group_tables("any")
 
 
 def check_background(sched: Scheduler, out, o: dict, background_before: set[str],

@@ -1,27 +1,33 @@
-"""Sliding-window layers with a KV pool of their own (``core.window_kv``): a
-request holds only its window's blocks of that pool, gives the rest back as
-it advances, and finds the window of a cached prefix or of the request it
-forks from. The engine on Gemma 2 and 3 (tiny random models, windows of 6)
-gives the tokens it gives with one pool over every layer, through
-preemption, prefix caching, speculation, parallel samples and beam search,
-on the C kernels, the PyTorch kernels and the Triton kernels' decode graphs;
-and a Gemma context costs the global layers' blocks plus a window.
-The scheduler's property test runs every option over this manager too."""
+"""Sliding-window layers that keep only their window's KV (``core.window_kv``):
+a request holds only its window's blocks, gives the rest back as it
+advances, and finds the window of a cached prefix or of the request it forks
+from; window blocks and global blocks are pages of one pool, a window block
+a page per group of window layers. The engine on Gemma 2 (one group) and 3
+(two groups) (tiny random models, windows of 6) gives the tokens it gives
+with one pool over every layer, through preemption, prefix caching,
+speculation, parallel samples and beam search, on the C kernels, the PyTorch
+kernels and the Triton kernels' decode graphs; and a Gemma context costs the
+global layers' blocks plus a window. The scheduler's property test runs
+every option over this manager too."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from helpers import random_prompts
 
 from fake_worker import FakeWorker
 from inflight import LLM, BeamSearchParams, SamplingParams
+from inflight.config import EngineConfig
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.policy import PolicyConfig, make_policy
 from inflight.core.request import Request
 from inflight.core.scheduler import Scheduler
 from inflight.core.window_kv import (NO_BLOCK, WINDOW_KEY, WindowedKVCacheManager,
                                      window_blocks_needed)
+from inflight.model.config import ModelConfig
+from inflight.worker.kv_pools import KVPools, plan_kv_pools
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -33,7 +39,9 @@ def _request(rid: str, tokens: list[int], computed: int = 0) -> Request:
 
 
 def test_a_long_request_holds_only_its_window():
-    kv = WindowedKVCacheManager(num_blocks=64, block_size=4, window=6, num_window_blocks=8)
+    """A window block is a page in each of the two groups of window layers;
+    the group tables line up with the window table."""
+    kv = WindowedKVCacheManager(num_blocks=64, block_size=4, window=6, window_pages=2)
     request = _request("a", list(range(200)))
     for end in range(8, 201, 8):  # chunks of 8 positions
         assert kv.allocate_slots("a", end) is not None
@@ -44,22 +52,29 @@ def test_a_long_request_holds_only_its_window():
         # The window of the first position of the block holding end - 1.
         assert table.index(live[0]) == max(0, (end - 1) // 4 * 4 - 5) // 4
         assert len(live) <= 3
+        first, second = kv.window_group_tables("a")
+        assert first is table
+        assert second == [NO_BLOCK if b == NO_BLOCK else kv.window_block_pages(b)[1]
+                          for b in table]
     assert len(kv.block_ids("a")) == 50  # the global layers keep everything
+    assert kv.num_free_blocks == 64 - 50 - 2 * len(live)
     kv.free("a")
-    assert kv.num_free_window_blocks == 8 and kv.num_free_blocks == 64
+    assert kv.num_free_blocks == 64 and not kv.window_group_tables("a")
 
 
-def test_a_full_window_pool_refuses_and_changes_nothing():
-    kv = WindowedKVCacheManager(num_blocks=64, block_size=4, window=6, num_window_blocks=3)
-    assert kv.allocate_slots("a", 12) == [0, 1, 2]
+def test_full_pages_refuse_and_change_nothing():
+    """Three positions' blocks take a page each and a window block two."""
+    kv = WindowedKVCacheManager(num_blocks=9, block_size=4, window=6, window_pages=2)
+    assert len(kv.allocate_slots("a", 12)) == 3
+    assert kv.num_free_blocks == 0 and 0 not in kv.block_ids("a")
     assert kv.allocate_slots("b", 4) is None
-    assert kv.block_ids("b") == [] and kv.num_free_blocks == 61
+    assert kv.block_ids("b") == [] and kv.window_block_ids("b") == []
     kv.free("a")
-    assert kv.allocate_slots("b", 4) == [3]
+    assert len(kv.allocate_slots("b", 4)) == 1 and kv.num_free_blocks == 6
 
 
 def test_a_prefix_hit_needs_the_window_before_its_end():
-    kv = WindowedKVCacheManager(num_blocks=16, block_size=4, window=6, num_window_blocks=16,
+    kv = WindowedKVCacheManager(num_blocks=40, block_size=4, window=6, window_pages=2,
                                 enable_caching=True)
     tokens = list(range(20))
     first = _request("a", tokens)
@@ -74,7 +89,7 @@ def test_a_prefix_hit_needs_the_window_before_its_end():
     # Evict the window block of positions 12-15: a hit may then end at
     # position 12 (its first query's window, positions 7-11, is cached) but
     # not later.
-    pool = kv._wpool
+    pool = kv._pool
     for block in (pool.cached[kv.block_hash(b) + WINDOW_KEY] for b in hit[3:4]):
         pool.take(block)
         pool.release(block, keep_cached=False)
@@ -86,7 +101,7 @@ def test_a_prefix_hit_needs_the_window_before_its_end():
 
 
 def test_forks_share_the_window_and_copy_the_last_block():
-    kv = WindowedKVCacheManager(num_blocks=16, block_size=4, window=6, num_window_blocks=16)
+    kv = WindowedKVCacheManager(num_blocks=40, block_size=4, window=6, window_pages=2)
     parent = _request("p", list(range(14)))
     kv.allocate_slots("p", 14)
     parent.num_computed_tokens = 14
@@ -100,39 +115,42 @@ def test_forks_share_the_window_and_copy_the_last_block():
     # window of position 12, the first of the block holding its last).
     assert window[1] != NO_BLOCK and window[0] == NO_BLOCK
     assert child[:3] == [NO_BLOCK, NO_BLOCK, window[2]] and child[3] != window[3]
+    # The copies: the global block's page, then the window block's in each group.
     assert copies == [(kv.block_ids("p")[3], kv.block_ids("c")[3]),
-                      (16 + window[3], 16 + child[3])]
-    assert kv.window_ref_count(window[2]) == 2 and kv.window_ref_count(window[1]) == 1
+                      *zip(kv.window_block_pages(window[3]), kv.window_block_pages(child[3]))]
+    assert kv.window_group_tables("c")[1][2] == kv.window_block_pages(window[2])[1]
+    assert kv.ref_count(window[2]) == 2 and kv.ref_count(window[1]) == 1
 
 
-def test_swap_pairs_number_window_blocks_after_the_global_ones():
-    kv = WindowedKVCacheManager(num_blocks=8, block_size=4, window=4, num_window_blocks=6,
-                                num_host_blocks=8)
+def test_a_swapped_out_window_block_takes_a_host_block_per_page():
+    kv = WindowedKVCacheManager(num_blocks=20, block_size=4, window=4, window_pages=2,
+                                num_host_blocks=20)
     request = _request("a", list(range(16)))
     kv.allocate_slots("a", 16)
     request.num_computed_tokens = 16
     kv.slide(request)
-    window = [b for b in kv.window_block_ids("a") if b != NO_BLOCK]
+    table = kv.block_ids("a")
+    window = [p for b in kv.window_block_ids("a") if b != NO_BLOCK
+              for p in kv.window_block_pages(b)]
+    assert len(window) == 4  # the window blocks of entries 2 and 3
     out = kv.swap_out("a")
-    assert out[:4] == list(zip([0, 1, 2, 3], kv.host_block_ids("a")))
-    host = kv.host_block_ids("a")
-    assert out[4:] == [(8 + w, 8 + h) for w, h in zip(window, host[-len(window):])]
-    assert kv.num_free_window_blocks == 6
-    assert kv.can_swap_in("a", 17)
+    assert [d for d, _ in out] == table + window
+    assert len({h for _, h in out}) == 8 and kv.num_free_blocks == 20
+    assert kv.can_swap_in("a", 17)  # 5 global pages and 3 window blocks: 11
     back = kv.swap_in("a")
-    assert len(back) == 4 + len(window)
-    assert all(h >= 8 and d >= 8 for h, d in back[4:])
+    assert [h for h, _ in back] == [h for _, h in out]
+    assert [d for _, d in back[4:]] == [p for b in kv.window_block_ids("a") if b != NO_BLOCK
+                                        for p in kv.window_block_pages(b)]
     kv.free("a")
-    assert kv.num_free_window_blocks == 6
+    assert kv.num_free_blocks == 20 and kv.num_free_host_blocks == 20
 
 
-def test_a_shared_pool_gives_pages_of_either_kind():
-    """With window blocks in the global pool (as many window layers as
-    global ones): page 0 is never handed out, a long request's pages are its
-    global blocks and its window, pairs keep their page numbers, and a
-    swapped-out window block takes a host block of its own."""
-    kv = WindowedKVCacheManager(num_blocks=20, block_size=4, window=6, num_window_blocks=None,
-                                num_host_blocks=20)
+def test_pages_hold_either_kind():
+    """As many window layers as global ones (a page a window block): page 0
+    is never handed out, a long request's pages are its global blocks and its
+    window, pairs keep their page numbers, and a swapped-out window block
+    takes a host block of its own."""
+    kv = WindowedKVCacheManager(num_blocks=20, block_size=4, window=6, num_host_blocks=20)
     request = _request("a", list(range(40)))
     for end in range(8, 41, 8):
         assert kv.allocate_slots("a", end) is not None
@@ -140,7 +158,7 @@ def test_a_shared_pool_gives_pages_of_either_kind():
         kv.slide(request)
     table, window = kv.block_ids("a"), [b for b in kv.window_block_ids("a") if b != NO_BLOCK]
     assert len(table) == 10 and len(window) == 3 and 0 not in table + window
-    assert kv.num_free_blocks == kv.num_free_window_blocks == 20 - 13
+    assert kv.num_free_blocks == 20 - 13
     assert kv.allocate_slots("b", 16) is None  # 4 global + 4 window pages: 7 free
     pairs = kv.swap_out("a")
     assert [d for d, _ in pairs] == table + window
@@ -176,12 +194,13 @@ def _prefix_hits(kv) -> int:
 
 def test_prefix_caching_keeps_the_shared_windows_under_load():
     """Decode blocks left behind the window leave the cache at once, so the
-    pool's LRU list keeps the windows at the end of the shared prompt: the
-    window pool finds as many hits as one pool (it found an eighth as many
-    when every left-behind block stayed cached)."""
+    LRU list keeps the windows at the end of the shared prompt: pages with
+    two groups of window layers find as many hits as one pool (a window pool
+    of its own sized for 4 windows found an eighth as many when every
+    left-behind block stayed cached)."""
     one_pool = _prefix_hits(KVCacheManager(400, 4, enable_caching=True))
     windowed = _prefix_hits(WindowedKVCacheManager(
-        400, 4, window=32, num_window_blocks=window_blocks_needed(32, 4, 4, 64),
+        400 + 2 * window_blocks_needed(32, 4, 4, 64), 4, window=32, window_pages=2,
         enable_caching=True))
     assert one_pool == 15 * 200 and windowed == one_pool
 
@@ -193,12 +212,12 @@ def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
 
 
 def _assert_no_leak(llm: LLM) -> None:
-    """Every block back in its pool; the window pool's block 0 (read for the
-    entries behind the window) still zero."""
+    """Every page back in the pool; page 0 (read for the entries behind the
+    window) still zero."""
     kv = llm.engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks and not kv.owned_blocks()
-    assert kv.num_free_window_blocks == kv.num_window_blocks and not kv.owned_window_blocks()
-    for k, v in llm.engine.runner._window_caches:
+    assert not kv.owned_window_blocks()
+    for k, v in llm.engine.runner._page_caches:
         assert not k[:, 0].any() and not v[:, 0].any()
 
 
@@ -211,11 +230,11 @@ def _prompts() -> list[list[int]]:
 OPTIONS = {"dtype": "float32", "max_model_len": 128}
 
 
-# Gemma 2's tiny model: a window layer and a global one, pages of either kind
-# in one pool (14 here: the memory of 7 blocks over both layers); Gemma 3's:
-# two window layers and a global one, a window pool of its own (8 global
-# blocks here, 7 window blocks).
-TIGHT_BLOCKS = {"gemma2": 7, "gemma3": 8}
+# Gemma 2's tiny model: a window layer and a global one, a window block a
+# page (14 here: the memory of 7 blocks over both layers); Gemma 3's: two
+# window layers and a global one, a window block two pages (18 here).
+TIGHT_BLOCKS = {"gemma2": 7, "gemma3": 6}
+WINDOW_PAGES = {"gemma2": 1, "gemma3": 2}
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
@@ -237,7 +256,7 @@ def test_engine_tokens_equal_one_pool_through_every_feature(tiny_model, name):
                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})
         kv = tight.engine.kv_cache
         assert isinstance(kv, WindowedKVCacheManager)
-        assert kv.shared_pool if name == "gemma2" else kv.num_window_blocks == 7
+        assert kv.window_pages == WINDOW_PAGES[name]
         assert _tokens(tight, prompts) == alone, f"{mode}, cold"
         _assert_no_leak(tight)
         assert _tokens(tight, prompts) == alone, f"{mode}, cached"
@@ -268,10 +287,10 @@ def _beams(llm: LLM, prompts: list[list[int]], params: BeamSearchParams) -> list
 @pytest.mark.parametrize("name, ratio", [("gemma2", 1.9), ("gemma3", 2.5)])
 def test_a_gemma_context_costs_its_global_layers_and_a_window(tiny_model, name, ratio):
     """The same memory holds about twice the positions for Gemma 2's tiny
-    model (pages of half the layers), three times for Gemma 3's (a global
-    layer, and a pool for the two window layers' windows); a 500-token prompt
-    holds 3 window blocks at most when it is done. Scoring a text longer than
-    the window blocks there are (used as a ring) gives the one pool's
+    model (pages of half the layers), three times for Gemma 3's (pages of its
+    global layer, two to a window block); a 500-token prompt holds 3 window
+    blocks at most when it is done. Scoring a text longer than the pages
+    left for the windows (used as a ring per group) gives the one pool's
     log-probabilities."""
     path = str(tiny_model(name))
     options = dict(dtype="float32", kv_cache_memory="2MiB", max_num_seqs=2,
@@ -280,7 +299,7 @@ def test_a_gemma_context_costs_its_global_layers_and_a_window(tiny_model, name, 
     one_pool = LLM(path, disable_hybrid_kv_cache_manager=True, **options)
     kv = hybrid.engine.kv_cache
     assert kv.num_blocks > ratio * one_pool.engine.kv_cache.num_blocks
-    assert kv.shared_pool if name == "gemma2" else kv.num_window_blocks == 2 * (1 + 2) + 4
+    assert kv.window_pages == WINDOW_PAGES[name]
     prompt = random_prompts(1, vocab=384, min_len=500, max_len=500, seed=9)[0]
     engine = hybrid.engine
     engine.add_request({"prompt_token_ids": prompt},
@@ -314,15 +333,15 @@ def test_other_kernels_and_decode_graphs_read_the_window_pool(tiny_model, backen
 
     path = str(tiny_model(name))
     prompts = random_prompts(4, vocab=384, min_len=10, max_len=40, seed=3)
-    # Gemma 3: a window pool of 13 blocks, whose ids soon differ from the
-    # global ones; Gemma 2: window blocks are other pages than global ones.
+    # Window blocks are other pages than the global blocks (Gemma 3: two
+    # pages, one per group of window layers).
     options = dict(dtype="float32", kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=64,
                    max_num_batched_tokens=16, kernel_backend=backend, enforce_eager=True)
     one_pool = LLM(path, disable_hybrid_kv_cache_manager=True, **options)
     expected = _tokens(one_pool, prompts)
     hybrid = LLM(path, **options)
     kv = hybrid.engine.kv_cache
-    assert kv.shared_pool if name == "gemma2" else kv.num_window_blocks == 13
+    assert kv.window_pages == WINDOW_PAGES[name]
     assert _tokens(hybrid, prompts) == expected
     if backend == "triton":
         hybrid.engine.runner.capture_decode_graphs(4, ReplayingGraph)
@@ -332,18 +351,51 @@ def test_other_kernels_and_decode_graphs_read_the_window_pool(tiny_model, backen
     _assert_no_leak(hybrid)
 
 
-def test_shared_pages_never_hold_a_shorter_context_than_one_pool(tiny_model):
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_pages_never_hold_a_shorter_context_than_one_pool(tiny_model, name):
     """Little KV memory against a large step budget: a request's window
-    blocks are never more than its global blocks, so shared pages allow the
+    blocks are never more than its global blocks, so the pages allow the
     context one pool does, but the zero page's block (charging each request
     a whole window and a step's blocks, they allowed none, and the engine did
     not start)."""
-    path = str(tiny_model("gemma2"))
+    path = str(tiny_model(name))
     options = dict(dtype="float32", kv_cache_memory=30 * 8192)
     one_pool = LLM(path, disable_hybrid_kv_cache_manager=True, **options)
-    shared = LLM(path, **options)
-    assert shared.engine.kv_cache.shared_pool
-    assert shared.engine.max_model_len >= one_pool.engine.max_model_len - 16
-    prompt = random_prompts(1, vocab=384, min_len=300, max_len=300, seed=4)[0]
-    assert _tokens(shared, [prompt]) == _tokens(one_pool, [prompt])
-    _assert_no_leak(shared)
+    paged = LLM(path, **options)
+    assert paged.engine.kv_cache.window_pages == WINDOW_PAGES[name]
+    assert paged.engine.max_model_len >= one_pool.engine.max_model_len - 16
+    prompt = random_prompts(1, vocab=384, min_len=280, max_len=280, seed=4)[0]
+    assert _tokens(paged, [prompt]) == _tokens(one_pool, [prompt])
+    _assert_no_leak(paged)
+
+
+def _plan(model: ModelConfig, kv_bytes: int, **options) -> tuple[KVPools, EngineConfig]:
+    config = EngineConfig(model="unused", block_size=16, **options)
+    return plan_kv_pools(config, model, torch.bfloat16, model.sliding_windows[0],
+                         kv_bytes), config
+
+
+def test_gemma_3_shapes_get_a_page_per_group_of_window_layers():
+    """Gemma 3 1B (26 layers, 4 global: 6 groups, the last padded) and 27B
+    (62 layers, 10 global) on GPU-sized settings: 18 GiB of KV, 256 sequences
+    and a long context (for 27B, a window pool of its own sized for 256
+    windows would not fit). A request of 32k tokens costs its global pages and
+    a window, a fifth of what it costs in one pool over every layer."""
+    for layers, every, heads, window, pages in ((26, 6, 1, 512, 6), (62, 6, 16, 1024, 6)):
+        model = ModelConfig.from_hf({
+            "architectures": ["Gemma3ForCausalLM"], "vocab_size": 1000, "hidden_size": 1024,
+            "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 8,
+            "num_key_value_heads": heads, "head_dim": 128, "sliding_window": window,
+            "sliding_window_pattern": every, "max_position_embeddings": 32768})
+        global_layers = model.sliding_windows.count(None)
+        plan, config = _plan(model, 18 * 2**30, max_num_seqs=256, max_num_batched_tokens=8192)
+        assert plan.window == window and plan.window_pages == pages
+        page_bytes = global_layers * 2 * heads * 128 * 16 * 2
+        assert plan.num_blocks == 18 * 2**30 // page_bytes - 1
+        one_pool = 18 * 2**30 // (page_bytes * layers // global_layers)
+        assert plan.capacity_tokens(config) > 4 * one_pool * 16
+        kv = WindowedKVCacheManager(plan.num_blocks, 16, window=window, window_pages=pages)
+        long = 32768 // 16
+        assert kv.holds(long, window_blocks_needed(window, 16, 1, 8192))
+        cost = long + pages * window_blocks_needed(window, 16, 1, 16)
+        assert cost * 5 < long * layers / global_layers

@@ -11,10 +11,11 @@ tokens ``query_start_loc[i]:query_start_loc[i+1]``, at positions
 positions, stored in the blocks of ``block_table[i]``. Token ``t`` is written
 to slot ``slot_mapping[t]`` = block id * block_size + offset in block.
 
-A model whose sliding-window layers keep their KV in a pool of their own
-(``core.window_kv``) has two block tables per step: the layout's ``window``
-is the same step over that pool, and the model's layers get
-``WindowedMetadata``, of which each takes its own (``metadata_for``).
+A model whose sliding-window layers keep only their window's KV
+(``core.window_kv``) has a block table per step for its global layers and one
+for each group of window layers: the layout's ``windows`` are the same step
+over those groups' pages, and the model's layers get ``WindowedMetadata``, of
+which each takes its own (``metadata_for``, by its window and group).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ class BatchLayout:
     block_table: np.ndarray      # [B, max_blocks] int64, unused entries 0
     slot_mapping: np.ndarray     # [T] int64
     block_size: int
-    # The sliding-window layers' block table and slots, when they have a pool
-    # of their own (entries behind every window: block 0, never read).
-    window: BatchLayout | None = None
+    # Each group of sliding-window layers' block table and slots, when they
+    # keep only their window (entries behind every window: page 0, zero).
+    windows: tuple[BatchLayout, ...] = ()
 
     @property
     def query_lens(self) -> np.ndarray:
@@ -48,17 +49,18 @@ class BatchLayout:
 
 @dataclass
 class WindowedMetadata:
-    """A step's metadata over both block pools: ``full`` for the global
-    layers, ``window`` for the sliding-window layers."""
+    """A step's metadata over every block table: ``full`` for the global
+    layers, ``windows[g]`` for the sliding-window layers of group ``g``."""
 
     full: Any
-    window: Any
+    windows: list[Any]
 
 
-def metadata_for(metadata: Any, sliding_window: int | None) -> Any:
-    """The metadata a layer with this window attends with."""
+def metadata_for(metadata: Any, sliding_window: int | None, kv_group: int) -> Any:
+    """The metadata a layer with this window, in this group of window
+    layers, attends with."""
     if type(metadata) is WindowedMetadata:
-        return metadata.full if sliding_window is None else metadata.window
+        return metadata.full if sliding_window is None else metadata.windows[kv_group]
     return metadata
 
 
@@ -68,6 +70,10 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V)
 class AttentionBackend(ABC):
     """One implementation per device family; the model calls ``forward`` per layer
     with the metadata built once per step."""
+
+    # How many layouts the runner builds metadata for in a step (one, or with
+    # window layers one more per group of them: ``BatchLayout.windows``).
+    layouts_per_step = 1
 
     @abstractmethod
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,

@@ -320,9 +320,10 @@ class TritonPagedBackend(TorchPagedBackend):
         num_splits, tiles_per_split = self.splits(len(tile_seq), int(layout.seq_lens.max()),
                                                   decode=max_query_len == 1)
 
-        if self._staging is None or self._staging.device != device:
-            # (Two buffers: a model with a window pool builds two metadata a step.)
-            self._staging = HostStaging(device, num_buffers=2)
+        staging = self._staging
+        if (staging is None or staging.device != device
+                or staging.num_buffers != self.layouts_per_step):
+            self._staging = HostStaging(device, num_buffers=self.layouts_per_step)
         slots, starts, seq_lens, block_table, tiles, tile_starts = self._staging.to_device(
             [layout.slot_mapping, layout.query_start_loc, layout.seq_lens, layout.block_table,
              tile_seq, tile_q_start])

@@ -50,7 +50,7 @@ from inflight.model.tokenizer import Tokenizer
 from inflight.sim.capacity import burst_capacity
 from inflight.sim.cost_model import LinearCostModel, StepShape, step_shape
 from inflight.sim.simulator import SimConfig
-from inflight.worker.load import kv_block_bytes
+from inflight.worker.kv_pools import block_bytes
 from inflight.worker.runner import Runner, RunnerOutput
 
 
@@ -212,18 +212,18 @@ def calibrate(config: EngineConfig, quick: bool = False, with_serving: bool = Tr
     start = time.perf_counter()
     samples = sweep(engine, recorder, quick)
     runner = recorder.runner
-    # (One block of every layer: with a window pool, a block's window layers
-    # live there, and the pool never runs out first.)
-    block_bytes = kv_block_bytes(runner.model.config, config.block_size, runner.dtype)
+    # (With a window, the runner's blocks are pages of the global layers.)
+    kv_bytes = block_bytes(runner.model.config, config.block_size, runner.dtype,
+                           runner.kv_window)
     model = LinearCostModel.fit(
         samples,
         date=datetime.date.today().isoformat(), machine=platform.processor() or platform.machine(),
         model=engine.model.name, num_kv_blocks=runner.num_kv_blocks,
         num_host_blocks=runner.num_host_blocks, max_model_len=engine.max_model_len,
-        kv_block_bytes=block_bytes, sweep_seconds=time.perf_counter() - start,
+        kv_block_bytes=kv_bytes, sweep_seconds=time.perf_counter() - start,
         engine={k: v for k, v in asdict(config).items() if isinstance(v, (int, float, str, bool))
                 or v is None})
-    model.swap_block_seconds = block_bytes / copy_bandwidth()
+    model.swap_block_seconds = kv_bytes / copy_bandwidth()
     del engine, recorder, runner
     gc.collect()
     if with_serving:

@@ -6,6 +6,11 @@ it keeps its content and can be taken back by a later request with the same
 prefix. New content goes into a plain free block first, and only once none is
 left into the least recently released evictable one, whose key is forgotten.
 Only integers and keys live here; the worker owns the tensors the ids address.
+
+A block may be handed out with companions: more blocks that belong to it
+(the pages of its other layer groups, ``core.window_kv``). They are held,
+cached, evicted and freed with it, are counted free while it is, and have no
+reference count of their own (0).
 """
 
 from __future__ import annotations
@@ -23,31 +28,44 @@ class BlockPool:
         self.ref_counts = [0] * (first + num_blocks)
         self.keys: list[bytes | None] = [None] * (first + num_blocks)  # each block's cache key
         self.cached: dict[bytes, int] = {}  # cache key -> block
+        self.companions: dict[int, list[int]] = {}  # block -> its companions
+        self._evictable_companions = 0  # companions of evictable blocks
         self.num_evicted = 0
 
     @property
     def num_free(self) -> int:
-        """Blocks no request holds: plain free ones and evictable cached ones."""
-        return len(self.free) + len(self.evictable)
+        """Blocks no request holds: plain free ones and evictable cached ones
+        (with their companions)."""
+        return len(self.free) + len(self.evictable) + self._evictable_companions
 
     def take(self, block: int) -> None:
         """One more holder of a block (a prefix hit, a fork's shared block)."""
         if self.ref_counts[block] == 0:
             del self.evictable[block]
+            self._evictable_companions -= len(self.companions.get(block, ()))
         self.ref_counts[block] += 1
 
-    def pop_free(self) -> int:
-        """A block for new content, held once: a plain free one, else the least
-        recently released cached one, which is evicted."""
-        if self.free:
-            block = self.free.popleft()
-        else:
+    def pop_free(self, num_companions: int = 0) -> int:
+        """A block for new content, held once, with ``num_companions``
+        companions: plain free blocks, else the least recently released cached
+        ones, which are evicted."""
+        block = self._pop()
+        self.ref_counts[block] = 1
+        if num_companions:
+            self.companions[block] = [self._pop() for _ in range(num_companions)]
+        return block
+
+    def _pop(self) -> int:
+        if not self.free:
             block, _ = self.evictable.popitem(last=False)
             del self.cached[self.keys[block]]
             self.keys[block] = None
             self.num_evicted += 1
-        self.ref_counts[block] = 1
-        return block
+            self.free.appendleft(block)
+            companions = self.companions.pop(block, ())
+            self._evictable_companions -= len(companions)
+            self.free.extend(companions)
+        return self.free.popleft()
 
     def release(self, block: int, keep_cached: bool = True) -> None:
         """One holder fewer; with none left the block stays findable if it is
@@ -60,8 +78,15 @@ class BlockPool:
                 self.keys[block] = key = None
             if key is None:
                 self.free.append(block)
+                if self.companions:
+                    self.free.extend(self.companions.pop(block, ()))
             else:
                 self.evictable[block] = None
+                self._evictable_companions += len(self.companions.get(block, ()))
+
+    def with_companions(self, block: int) -> list[int]:
+        """The block and its companions."""
+        return [block, *self.companions.get(block, ())]
 
     def register(self, block: int, key: bytes) -> None:
         """Cache a block under ``key``, unless it is cached already (a hit) or
@@ -77,6 +102,9 @@ class BlockPool:
         for block in self.cached.values():
             self.keys[block] = None
         self.cached.clear()
-        self.free.extend(self.evictable)
+        for block in self.evictable:
+            self.free.append(block)
+            self.free.extend(self.companions.pop(block, ()))
         self.evictable.clear()
+        self._evictable_companions = 0
         return count

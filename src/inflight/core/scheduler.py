@@ -83,8 +83,9 @@ class SchedulerOutput:
     """One step's plan. ``requests[i]`` computes ``num_new_tokens[i]`` tokens
     starting at its ``num_computed_tokens``; its KV blocks are ``block_ids[i]``
     (the manager's live table: read, do not keep), and with a
-    ``WindowedKVCacheManager`` its sliding-window layers' blocks are
-    ``window_block_ids[i]`` (empty otherwise). Before the step, the worker
+    ``WindowedKVCacheManager`` its sliding-window layers' pages are
+    ``window_block_ids[i][g]`` for their group ``g`` (empty otherwise).
+    Before the step, the worker
     copies ``copy_blocks`` (source, destination) pairs on the device (the
     copy-on-write of forks), then ``swap_out`` (device, host) block pairs to
     host memory, then ``swap_in`` (host, device) pairs back."""
@@ -92,7 +93,7 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
-    window_block_ids: list[list[int]] = field(default_factory=list)
+    window_block_ids: list[list[list[int]]] = field(default_factory=list)
     # The draft tokens each request verifies this step (the last of its
     # ``num_new_tokens``); empty for most.
     draft_token_ids: list[list[int]] = field(default_factory=list)
@@ -556,7 +557,7 @@ class Scheduler:
         out.num_new_tokens.append(num_new)
         out.block_ids.append(self.kv_cache.block_ids(request.request_id))
         if self.window_kv is not None:
-            out.window_block_ids.append(self.window_kv.window_block_ids(request.request_id))
+            out.window_block_ids.append(self.window_kv.window_group_tables(request.request_id))
         out.draft_token_ids.append(request.draft_token_ids)
 
     def _unschedule(self, out: SchedulerOutput, request: Request) -> int:

@@ -1,11 +1,10 @@
 """KV blocks of a model whose sliding-window layers see only the last
 ``window`` positions (Gemma 2 and 3 interleave them with global layers).
 
-Those layers keep their K/V in a pool of their own, and a request holds that
-pool's blocks only for the positions its next queries can still see: as it
-advances, the window blocks behind its window go back to the pool. A long
-context then costs the global layers' blocks plus one window's worth per
-request, as vLLM's hybrid allocator arranges.
+A request holds those layers' blocks only for the positions its next
+queries can still see: as it advances, the window blocks behind its window go
+back to the pool. A long context then costs the global layers' blocks plus
+one window's worth per request, as vLLM's hybrid allocator arranges.
 
 Each request has its table of global blocks (``KVCacheManager``) and, aligned
 with it, a window table: entry ``j`` is the window block holding positions
@@ -25,25 +24,27 @@ counts only as far as the window blocks before its end are cached too. Hits
 end where a prompt was (a shared system prompt) or where a conversation
 stopped (its next turn), so a window block left behind that holds output
 positions goes back uncached, unless it is in the request's last window:
-cached decode blocks would fill the pool's LRU list and push the useful
-windows out of it.
+cached decode blocks would fill the LRU list and push the useful windows out
+of it.
 
-Window blocks are numbered from 1: block 0 of the pool stays zero, and the
-worker reads it for every entry behind the window (masked, but never another
-request's KV). The worker addresses window block ``w`` as block
-``num_blocks + w`` in the copy and swap pairs of a step; a swapped-out window
-block goes to the host block of its table entry, addressed
-``num_host_blocks + host block``.
+Both kinds of block are pages of one pool (vLLM's hybrid allocator): a page
+holds one block of positions for as many layers as the model has global
+layers (``G``). A global block is one page; the window layers form
+``window_pages = ceil(window layers / G)`` groups of ``G`` (the last one
+padded), and a window block is a page for each group, the first page standing
+for it in the window table and the others its companions in the pool
+(``BlockPool``). The worker's window layer ``m`` (counting window layers only)
+keeps its K/V in the tensors of global layer ``m % G``, at the pages of group
+``m // G`` (``window_group_tables``). Nothing is set aside for either kind: a
+short context takes about what one pool over every layer would (but the
+padding), a long one its global blocks and a window per request.
 
-Where the model has as many window layers as global ones (Gemma 2), a block
-of either kind takes the same memory, and the two share one pool of pages
-(``shared_pool``, vLLM's hybrid allocator): the worker's global layer ``k``
-and window layer ``k`` keep their K/V in the same tensors, a page holds a
-global block or a window block, and nothing is set aside for windows. Block
-ids then run from 1 in both tables (page 0 is the zero block, for both),
-pairs are not renumbered, and a swapped-out window block takes a host block
-of its own. A window block's prefix-cache key is its content hash with
-``WINDOW_KEY`` after it, so the two kinds never answer for each other.
+Page 0 is the zero block of both kinds: never handed out, what the worker
+reads for every entry behind the window (masked, but never another request's
+KV). Block pairs (copies, swaps) are pages; a swapped-out window block takes
+host blocks of its own, one per page. A window block's prefix-cache key is
+its content hash with ``WINDOW_KEY`` after it, so the two kinds never answer
+for each other.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from inflight.core.block_pool import BlockPool
 from inflight.core.kv_cache_manager import KVCacheManager, cdiv
 
 if TYPE_CHECKING:
@@ -71,30 +71,20 @@ def window_blocks_needed(window: int, block_size: int, num_seqs: int, step_token
 
 class WindowedKVCacheManager(KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int, *, window: int,
-                 num_window_blocks: int | None, num_host_blocks: int = 0,
+                 window_pages: int = 1, num_host_blocks: int = 0,
                  enable_caching: bool = False) -> None:
-        """``num_window_blocks``: the window pool's blocks; None: window blocks
-        are pages of the global pool (``shared_pool``), ``num_blocks`` of them
-        besides page 0. Either way the worker has one block more (block 0)."""
-        self.shared_pool = num_window_blocks is None
-        if window < 1 or num_blocks < 1 or (num_window_blocks is not None
-                                            and num_window_blocks < 1):
-            raise ValueError("window, num_blocks and num_window_blocks must be >= 1")
-        super().__init__(num_blocks, block_size, num_host_blocks, enable_caching,
-                         first_block=int(self.shared_pool))  # (page 0: the zero block)
+        """``num_blocks`` pages besides page 0 (the worker has one more); a
+        window block takes ``window_pages`` of them."""
+        if window < 1 or num_blocks < 1 or window_pages < 1:
+            raise ValueError("window, num_blocks and window_pages must be >= 1")
+        super().__init__(num_blocks, block_size, num_host_blocks, enable_caching, first_block=1)
         self.window = window
-        self._wtables: dict[str, list[int]] = {}
+        self.window_pages = window_pages
+        self._wtables: dict[str, list[int]] = {}  # by each window block's first page
+        self._wgroups: dict[str, list[list[int]]] = {}  # the pages of each group
         self._first_live: dict[str, int] = {}
         self._host_first_live: dict[str, int] = {}
-        if self.shared_pool:
-            self.num_window_blocks = num_blocks
-            self.window_id_base = 0  # how the step's pairs number window blocks
-            self._wpool = self._pool  # (keys: content hash + WINDOW_KEY)
-            self._host_windows: dict[str, list[int]] = {}  # their own host blocks
-            return
-        self.num_window_blocks = num_window_blocks
-        self.window_id_base = num_blocks
-        self._wpool = BlockPool(num_window_blocks, first=1)
+        self._host_windows: dict[str, list[int]] = {}  # swapped-out window pages
 
     # ------------------------------------------------------------- the window
     def _needed_from(self, num_computed: int) -> int:
@@ -106,36 +96,46 @@ class WindowedKVCacheManager(KVCacheManager):
         bs = self.block_size
         return self._needed_from((num_computed - 1) // bs * bs)
 
-    @property
-    def num_free_window_blocks(self) -> int:
-        """(With a shared pool: the pages free for either kind.)"""
-        return self._wpool.num_free
-
     def holds(self, global_blocks: int, window_blocks: int) -> bool:
         """Whether the cache, empty, holds that many blocks of each kind."""
-        if self.shared_pool:
-            return global_blocks + window_blocks <= self.num_blocks
-        return global_blocks <= self.num_blocks and window_blocks <= self.num_window_blocks
+        return global_blocks + self.window_pages * window_blocks <= self.num_blocks
 
     def _room(self, global_need: int, window_need: int, reviving_global: int = 0,
               reviving_window: int = 0) -> bool:
-        """Whether both kinds of new blocks are free (cached blocks taken back
-        from the evictable list are not)."""
-        if self.shared_pool:
-            return (global_need + window_need
-                    <= self.num_free_blocks - reviving_global - reviving_window)
-        return (global_need <= self.num_free_blocks - reviving_global
-                and window_need <= self.num_free_window_blocks - reviving_window)
+        """Whether pages for both kinds of new block are free (cached blocks
+        taken back from the evictable list are not)."""
+        k = self.window_pages
+        return (global_need + k * window_need
+                <= self.num_free_blocks - reviving_global - k * reviving_window)
 
     def window_block_ids(self, request_id: str) -> list[int]:
-        """The request's window table (empty if it holds none). Do not mutate."""
+        """The request's window table (empty if it holds none), by each
+        window block's first page. Do not mutate."""
         return self._wtables.get(request_id, [])
 
-    def window_ref_count(self, block: int) -> int:
-        return self._wpool.ref_counts[block]
+    def window_group_tables(self, request_id: str) -> list[list[int]]:
+        """The request's window table for each group of window layers: the
+        pages of its window blocks there (the first is ``window_block_ids``).
+        Do not mutate."""
+        return self._wgroups.get(request_id, [])
 
-    def window_block_hash(self, block: int) -> bytes | None:
-        return self._wpool.keys[block]
+    def _set_table(self, request_id: str, table: list[int]) -> None:
+        self._wtables[request_id] = table
+        companions = self._pool.companions
+        self._wgroups[request_id] = [table] + [
+            [NO_BLOCK if b == NO_BLOCK else companions[b][g] for b in table]
+            for g in range(self.window_pages - 1)]
+
+    def _extend_table(self, request_id: str, blocks: list[int]) -> None:
+        groups = self._wgroups[request_id]
+        groups[0].extend(blocks)
+        companions = self._pool.companions
+        for g, table in enumerate(groups[1:]):
+            table.extend(companions[b][g] for b in blocks)
+
+    def window_block_pages(self, block: int) -> list[int]:
+        """A window block's page in each group."""
+        return self._pool.with_companions(block)
 
     def owned_window_blocks(self) -> dict[str, list[int]]:
         """Every request's window table, for invariant checks."""
@@ -154,8 +154,9 @@ class WindowedKVCacheManager(KVCacheManager):
         table = self._wtables[rid]
         prompt_blocks = request.num_prompt_tokens // self.block_size
         for j in range(first, kept):
-            self._wpool.release(table[j], keep_cached=j < prompt_blocks)
-            table[j] = NO_BLOCK
+            self._pool.release(table[j], keep_cached=j < prompt_blocks)
+        for group in self._wgroups[rid]:
+            group[first:kept] = [NO_BLOCK] * (kept - first)
         self._first_live[rid] = kept
 
     # ----------------------------------------------------------- prefix cache
@@ -174,7 +175,7 @@ class WindowedKVCacheManager(KVCacheManager):
         if not blocks:
             return blocks
         hashes = self._hashes(request, len(blocks) * self.block_size)
-        cached = [h + WINDOW_KEY in self._wpool.cached for h in hashes]
+        cached = [h + WINDOW_KEY in self._pool.cached for h in hashes]
         for num in range(len(blocks), 0, -1):
             if all(cached[self._needed_from(num * self.block_size):num]):
                 return blocks[:num]
@@ -185,7 +186,7 @@ class WindowedKVCacheManager(KVCacheManager):
         table = self._wtables[request_id]
         for i in range(start, end):
             if table[i] != NO_BLOCK:
-                self._wpool.register(table[i], hashes[i] + WINDOW_KEY)
+                self._pool.register(table[i], hashes[i] + WINDOW_KEY)
 
     def cached_block_hashes(self) -> list[bytes]:
         return [h for h in super().cached_block_hashes() if not h.endswith(WINDOW_KEY)]
@@ -193,14 +194,10 @@ class WindowedKVCacheManager(KVCacheManager):
     @property
     def num_cached_blocks(self) -> int:
         """Global blocks findable in the prefix cache."""
-        if self.shared_pool:
-            return sum(not h.endswith(WINDOW_KEY) for h in self._pool.cached)
-        return super().num_cached_blocks
+        return sum(not h.endswith(WINDOW_KEY) for h in self._pool.cached)
 
     def reset_prefix_cache(self) -> int:
         count = self.num_cached_blocks
-        if not self.shared_pool:
-            self._wpool.reset()
         super().reset_prefix_cache()
         return count
 
@@ -216,27 +213,31 @@ class WindowedKVCacheManager(KVCacheManager):
                 return None
             new = super().allocate_slots(request_id, num_tokens)
             if new is not None:
-                table.extend(self._wpool.pop_free() for _ in new)
+                self._extend_table(request_id, [self._pop_window_block() for _ in new])
             return new
         # A new table: the window of a cached prefix comes from the cache.
         first = self._needed_from(len(cached_blocks) * self.block_size)
         hashes = (self._hashes_of_blocks(cached_blocks) if cached_blocks else [])
-        shared = [self._wpool.cached[h + WINDOW_KEY] for h in hashes[first:]]
+        shared = [self._pool.cached[h + WINDOW_KEY] for h in hashes[first:]]
         need = max(0, cdiv(num_tokens, self.block_size) - len(cached_blocks))
-        if not self._room(need, need, sum(self._pool.ref_counts[b] == 0 for b in cached_blocks),
-                          sum(self._wpool.ref_counts[b] == 0 for b in shared)):
+        ref_counts = self._pool.ref_counts
+        if not self._room(need, need, sum(ref_counts[b] == 0 for b in cached_blocks),
+                          sum(ref_counts[b] == 0 for b in shared)):
             return None
-        for block in shared:  # (first: in a shared pool the new blocks might evict them)
-            self._wpool.take(block)
+        for block in shared:  # (first: the new blocks might evict them)
+            self._pool.take(block)
         new = super().allocate_slots(request_id, num_tokens, cached_blocks)
         if new is None:  # (not after the room check above; undone all the same)
             for block in shared:
-                self._wpool.release(block)
+                self._pool.release(block)
             return None
-        self._wtables[request_id] = ([NO_BLOCK] * first + shared
-                                     + [self._wpool.pop_free() for _ in new])
+        self._set_table(request_id, [NO_BLOCK] * first + shared
+                        + [self._pop_window_block() for _ in new])
         self._first_live[request_id] = first
         return new
+
+    def _pop_window_block(self) -> int:
+        return self._pool.pop_free(self.window_pages - 1)
 
     def _hashes_of_blocks(self, blocks: Sequence[int]) -> list[bytes]:
         """The content hashes of cached global blocks (a prefix-cache hit)."""
@@ -260,14 +261,14 @@ class WindowedKVCacheManager(KVCacheManager):
         first = self._needed_from(shared)
         table = parent[first:shared // bs]
         for block in table:
-            self._wpool.take(block)
+            self._pool.take(block)
         table = [NO_BLOCK] * first + table
         if copies:
-            copy = self._wpool.pop_free()
-            base = self.window_id_base
-            copies.append((base + parent[len(table)], base + copy))
+            copy = self._pop_window_block()
+            copies.extend(zip(self.window_block_pages(parent[len(table)]),
+                              self.window_block_pages(copy)))
             table.append(copy)
-        self._wtables[child_id] = table
+        self._set_table(child_id, table)
         self._first_live[child_id] = first
         return shared, copies
 
@@ -275,20 +276,23 @@ class WindowedKVCacheManager(KVCacheManager):
         super().free(request_id)
         for block in reversed(self._wtables.pop(request_id, ())):
             if block != NO_BLOCK:
-                self._wpool.release(block)
+                self._pool.release(block)
+        self._wgroups.pop(request_id, None)
         self._first_live.pop(request_id, None)
         self._host_first_live.pop(request_id, None)
-        if self.shared_pool:
-            self._host_free.extend(self._host_windows.pop(request_id, ()))
+        self._host_free.extend(self._host_windows.pop(request_id, ()))
 
     def free_tail(self, request_id: str, num_tokens: int) -> None:
         super().free_tail(request_id, num_tokens)
         table = self._wtables.get(request_id)
         keep = cdiv(num_tokens, self.block_size)
-        while table is not None and len(table) > keep:
-            block = table.pop()
+        if table is None or len(table) <= keep:
+            return
+        for block in reversed(table[keep:]):
             if block != NO_BLOCK:
-                self._wpool.release(block)
+                self._pool.release(block)
+        for group in self._wgroups[request_id]:
+            del group[keep:]
 
     # ------------------------------------------------------------------- swap
     def can_swap_in(self, request_id: str, num_tokens: int) -> bool:
@@ -296,21 +300,17 @@ class WindowedKVCacheManager(KVCacheManager):
         return self._room(need, need - self._host_first_live.get(request_id, 0))
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        table = list(self._wtables.get(request_id, ()))
+        table = self._wtables.get(request_id, [])
         first = self._first_live.get(request_id, 0)
-        live = table[first:]
-        if self.shared_pool and len(table) + len(live) > len(self._host_free):
+        pages = [p for block in table[first:] for p in self.window_block_pages(block)]
+        if len(table) + len(pages) > len(self._host_free):
             return None
         pairs = super().swap_out(request_id)  # (frees the window blocks)
         if pairs is None:
             return None
         self._host_first_live[request_id] = first
-        if self.shared_pool:
-            host = self._host_windows[request_id] = [self._host_free.popleft() for _ in live]
-            return pairs + list(zip(live, host))
-        host_base = self.num_host_blocks
-        return pairs + [(self.num_blocks + block, host_base + host)
-                        for block, (_, host) in zip(live, pairs[first:])]
+        host = self._host_windows[request_id] = [self._host_free.popleft() for _ in pages]
+        return pairs + list(zip(pages, host))
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
         first = self._host_first_live.get(request_id, 0)
@@ -321,13 +321,10 @@ class WindowedKVCacheManager(KVCacheManager):
         if pairs is None:
             return None
         del self._host_first_live[request_id]
-        table = [self._wpool.pop_free() for _ in host[first:]]
-        self._wtables[request_id] = [NO_BLOCK] * first + table
+        table = [self._pop_window_block() for _ in host[first:]]
+        self._set_table(request_id, [NO_BLOCK] * first + table)
         self._first_live[request_id] = first
-        if self.shared_pool:
-            window_host = self._host_windows.pop(request_id)
-            self._host_reading.extend(window_host)
-            return pairs + list(zip(window_host, table))
-        host_base = self.num_host_blocks
-        return pairs + [(host_base + h, self.num_blocks + block)
-                        for h, block in zip(host[first:], table)]
+        window_host = self._host_windows.pop(request_id)
+        self._host_reading.extend(window_host)
+        return pairs + list(zip(window_host, (p for block in table
+                                              for p in self.window_block_pages(block))))

@@ -116,7 +116,7 @@ def build_scheduler(config: EngineConfig, runner: Runner, clock: Clock,
     else:
         kv_cache = WindowedKVCacheManager(
             runner.num_kv_blocks, config.block_size, window=window,
-            num_window_blocks=None if runner.window_pool_shared else runner.num_window_blocks,
+            window_pages=runner.window_pages,
             num_host_blocks=runner.num_host_blocks, enable_caching=config.enable_prefix_caching)
     scheduler_class = StaticBatchScheduler if config.scheduling == "static" else Scheduler
     policy_config = PolicyConfig(config.priority_aging, config.sjf_aging)

@@ -36,6 +36,9 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.sliding_window = sliding_window
+        # Which group of window layers' pages this layer's KV is in (set by the
+        # runner where the window layers keep only their window).
+        self.kv_group = 0
         self.logit_softcap = logit_softcap
         self.backend = backend
         self.ops = ops
@@ -58,7 +61,8 @@ class Attention(nn.Module):
                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: Any) -> torch.Tensor:
         """The backend's attention with this layer's scale, window and soft cap."""
         return self.backend.forward(q, k, v, kv_cache,
-                                    metadata_for(metadata, self.sliding_window),
+                                    metadata_for(metadata, self.sliding_window,
+                                                 self.kv_group),
                                     scale=self.scale, sliding_window=self.sliding_window,
                                     logit_softcap=self.logit_softcap)
 

@@ -26,12 +26,13 @@ class HostStaging:
     be working through earlier steps when the next one is staged).
 
     A producer that stages ``num_buffers`` times a step (an attention backend
-    building metadata for two block pools) takes its buffers in turn, so that
-    each call waits only for a copy made before the previous step's work, never
-    for one queued behind it."""
+    building metadata for several block tables) takes its buffers in turn, so
+    that each call waits only for a copy made before the previous step's work,
+    never for one queued behind it."""
 
     def __init__(self, device: torch.device, num_buffers: int = 1) -> None:
         self.device = device
+        self.num_buffers = num_buffers
         self._pinned: list[torch.Tensor | None] = [None] * num_buffers
         # Recorded after the last copy out of each buffer.
         self._copied: list[torch.cuda.Event | None] = [None] * num_buffers

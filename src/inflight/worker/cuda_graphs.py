@@ -19,15 +19,16 @@ longest sequence the buffers name (``seq_len_caps``), so that a step of short
 sequences does not pay for the splits a long context needs (at batch 1 the
 merge alone was 7 % of a step at the 1B shape on an H100).
 
-A model whose sliding-window layers have a KV pool of their own
-(``core.window_kv``) has a second set of buffers for that pool's block
-table and slots; its layers see both through ``WindowedMetadata``.
+A model whose sliding-window layers keep only their window
+(``core.window_kv``) has a set of buffers more for each group of window
+layers' block table and slots; its layers see theirs through
+``WindowedMetadata``.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -100,7 +101,7 @@ class DecodeGraphs:
 
     def __init__(self, step: StepFn, buffers: DecodeBuffersLike, max_batch: int,
                  device: torch.device, new_graph: Callable[[], Graph], *,
-                 window_buffers: DecodeBuffersLike | None = None) -> None:
+                 window_buffers: Sequence[DecodeBuffersLike] = ()) -> None:
         self.step = step
         self.buffers = buffers
         self.window_buffers = window_buffers
@@ -125,9 +126,11 @@ class DecodeGraphs:
     def _capture(self, size: int, cap: int) -> tuple[Graph, torch.Tensor]:
         self.buffers.fill(_empty_layout(), size)  # every row padding
         metadata = self.buffers.metadata(size, cap)
-        if self.window_buffers is not None:
-            self.window_buffers.fill(_empty_layout(), size)
-            metadata = WindowedMetadata(metadata, self.window_buffers.metadata(size, cap))
+        if self.window_buffers:
+            for buffers in self.window_buffers:
+                buffers.fill(_empty_layout(), size)
+            metadata = WindowedMetadata(metadata, [buffers.metadata(size, cap)
+                                                   for buffers in self.window_buffers])
 
         def run() -> torch.Tensor:
             return self.step(self.input_ids[:size], self.positions[:size], metadata)
@@ -155,8 +158,8 @@ class DecodeGraphs:
         self.positions[:n].copy_(positions, non_blocking=True)
         self.positions[n:size].zero_()
         self.buffers.fill(layout, size)
-        if self.window_buffers is not None:
-            self.window_buffers.fill(layout.window, size)
+        for buffers, window in zip(self.window_buffers, layout.windows, strict=True):
+            buffers.fill(window, size)
         graph, logits = self._graphs[bucket]
         graph.replay()
         return logits[:n]

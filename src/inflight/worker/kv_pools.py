@@ -1,17 +1,11 @@
-"""How the KV cache's memory is divided into blocks, for a model that
-interleaves sliding-window layers with global ones (``core.window_kv``):
-
-- as many window layers as global ones (Gemma 2): one pool of pages of half
-  the layers, a page a global block or a window block (``shared``): as many
-  positions as one pool over every layer (but the zero page's block), and at
-  long contexts up to twice as many;
-- other ratios (Gemma 3: five window layers to one global): a pool for the
-  global layers and a pool of window blocks sized for ``max_num_seqs``
-  requests each holding its window and its share of a step, used only where
-  it is smaller than one pool over every layer would be (a short context
-  needs every position in both kinds of layer, and that pool never runs out
-  first); otherwise the window layers keep all their blocks, as the others
-  do."""
+"""How the KV cache's memory is divided into blocks. One pool over every
+layer, or, for a model that interleaves sliding-window layers with global
+ones (``core.window_kv``), pages of either kind of block: a page is one block
+of the ``G`` global layers' K/V; a global block takes one page and a window
+block ``ceil(window layers / G)`` (one per group of window layers, the last
+group padded). A short context costs about what one pool would (Gemma 3 1B:
+28 layers' worth against 26, Gemma 2 and Gemma 3 12B: none more), a long one
+its global blocks and a window per request."""
 
 from __future__ import annotations
 
@@ -20,33 +14,35 @@ from dataclasses import dataclass
 import torch
 
 from inflight.config import EngineConfig
+from inflight.core.kv_cache_manager import cdiv
 from inflight.core.window_kv import window_blocks_needed
 from inflight.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class KVPools:
-    num_blocks: int             # blocks of the global layers (of every layer without a window pool)
-    window: int | None          # the window whose layers keep their KV apart
-    num_window_blocks: int = 0  # the window pool's blocks (0: shared with the global layers)
-    shared: bool = False        # one pool of pages for both kinds (besides page 0)
+    num_blocks: int        # blocks over every layer, or (with a window) pages besides page 0
+    window: int | None     # the window whose layers keep only their window's KV
+    window_pages: int = 1  # the pages a window block takes
 
     def capacity_tokens(self, config: EngineConfig) -> int:
-        """The longest context one request can have alone (with shared pages:
-        its global blocks and at most as many window blocks, or a window)."""
+        """The longest context one request can have alone (with a window: its
+        global blocks and at most as many window blocks, or a window)."""
         bs = config.block_size
-        if not self.shared:
+        if self.window is None:
             return self.num_blocks * bs
+        k = self.window_pages
         window = window_blocks_needed(self.window, bs, 1, config.max_num_batched_tokens)
-        return max(self.num_blocks - window, self.num_blocks // 2) * bs
+        return max(self.num_blocks - k * window, self.num_blocks // (k + 1)) * bs
 
 
 def kv_window(config: EngineConfig, model_config: ModelConfig,
               layers_through_backend: bool) -> int | None:
-    """The sliding window whose layers may keep their KV apart: when global
-    layers and layers of one window are interleaved, the window is shorter
-    than the context can be, and every layer attends through the attention
-    backend (the fused CPU decoder reads one block table for all layers)."""
+    """The sliding window whose layers may keep only their window's KV: when
+    global layers and layers of one window are interleaved, the window is
+    shorter than the context can be, and every layer attends through the
+    attention backend (the fused CPU decoder reads one block table for all
+    layers)."""
     windows = set(model_config.sliding_windows)
     if not layers_through_backend or None not in windows or len(windows) != 2:
         return None
@@ -55,34 +51,27 @@ def kv_window(config: EngineConfig, model_config: ModelConfig,
     return window if window < longest else None
 
 
-def window_pool_blocks(config: EngineConfig, window: int) -> int:
-    """Window blocks enough for ``max_num_seqs`` requests and a step of
-    ``max_num_batched_tokens``: the window pool never runs out first."""
-    return window_blocks_needed(window, config.block_size, config.max_num_seqs,
-                                config.max_num_batched_tokens)
+def block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
+                window: int | None) -> int:
+    """The memory of one of the runner's blocks: every layer's K and V of a
+    block, or with a window a page (the global layers')."""
+    element = torch.empty((), dtype=dtype).element_size()
+    every_layer = model_config.kv_bytes_per_token * block_size * element
+    if window is None:
+        return every_layer
+    return every_layer * model_config.sliding_windows.count(None) // model_config.num_hidden_layers
 
 
 def plan_kv_pools(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
                   window: int | None, kv_bytes: int) -> KVPools:
-    """The pools ``kv_bytes`` of memory hold. ``config.num_kv_blocks``, when
-    set, wins: the global layers' blocks beside a window pool, or the memory
-    of that many blocks over every layer as shared pages."""
-    element = torch.empty((), dtype=dtype).element_size()
-    layer_bytes = model_config.kv_bytes_per_token // model_config.num_hidden_layers \
-        * config.block_size * element  # one layer's K and V of one block
-    layers = model_config.num_hidden_layers
-    one_pool = config.num_kv_blocks or kv_bytes // (layer_bytes * layers)
+    """The blocks ``kv_bytes`` of memory hold. ``config.num_kv_blocks``, when
+    set, wins: with a window, the memory of that many blocks over every layer
+    as pages."""
+    size = block_bytes(model_config, config.block_size, dtype, window)
     if window is None:
-        return KVPools(one_pool, None)
-    window_layers = sum(w == window for w in model_config.sliding_windows)
-    if 2 * window_layers == layers:  # (num_kv_blocks: blocks over every layer, two pages each)
-        pages = 2 * config.num_kv_blocks if config.num_kv_blocks else kv_bytes // (
-            window_layers * layer_bytes)
-        return KVPools(pages - 1, window, 0, shared=True)  # (page 0: the zero block)
-    window_blocks = window_pool_blocks(config, window)
-    if window_blocks >= one_pool:
-        return KVPools(one_pool, None)
-    num_blocks = config.num_kv_blocks or (
-        (kv_bytes - window_blocks * window_layers * layer_bytes)
-        // ((layers - window_layers) * layer_bytes))
-    return KVPools(num_blocks, window, window_blocks)
+        return KVPools(config.num_kv_blocks or kv_bytes // size, None)
+    layers = model_config.num_hidden_layers
+    global_layers = model_config.sliding_windows.count(None)
+    pages = (config.num_kv_blocks * layers // global_layers if config.num_kv_blocks
+             else kv_bytes // size)
+    return KVPools(pages - 1, window, cdiv(layers - global_layers, global_layers))  # (page 0)

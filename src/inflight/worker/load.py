@@ -33,7 +33,7 @@ from inflight.worker.cuda_graphs import cuda_graph_factory
 from inflight.worker.gpu_memory import kv_cache_budget, profile_step
 from inflight.worker.warm_up import warm_up_kernels
 from inflight.worker.kernels import select_kernels
-from inflight.worker.kv_pools import KVPools, kv_window, plan_kv_pools
+from inflight.worker.kv_pools import KVPools, block_bytes, kv_window, plan_kv_pools
 from inflight.worker.model_runner import ModelRunner
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 2**30  # off CUDA, when kv_cache_memory is not given
@@ -66,12 +66,6 @@ def resolve_dtype(name: str, device: torch.device,
     return torch.float32
 
 
-def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers (K and V)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return model_config.kv_bytes_per_token * block_size * element
-
-
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig,
                           capacity_tokens: int) -> int:
     """The context limit: as configured, else the model's, capped by what the KV
@@ -100,7 +94,6 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
     elif config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     dtype = resolve_dtype(config.dtype, device, config.kernel_backend)
-    block_bytes = kv_block_bytes(model_config, config.block_size, dtype)
     ops, backend = select_kernels(config.kernel_backend, device, dtype, model_config,
                                   batch_invariant=config.batch_invariant)
     model_class = None if stub_token_id is not None else get_model_class(
@@ -152,22 +145,20 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
                           _profiled_kv_bytes(config, model, backend, model_config, dtype, device))
     num_blocks = pools.num_blocks
     max_model_len = resolve_max_model_len(config, model_config, pools.capacity_tokens(config))
-    # (Shared pages hold half the layers each.)
-    host_block_bytes = block_bytes // 2 if pools.shared else block_bytes
+    host_block_bytes = block_bytes(model_config, config.block_size, dtype, pools.window)
     num_host_blocks = (config.swap_space // host_block_bytes if config.preemption_mode == "swap"
                        else 0)
-    logger.info("%d KV blocks of %d tokens%s, max_model_len %d, %s on %s, %s", num_blocks,
-                config.block_size, "" if pools.window is None else
-                f" (pages of either kind for the layers of window {pools.window})"
-                if pools.shared else
-                f" (and {pools.num_window_blocks} for the layers of window {pools.window})",
+    logger.info("%d KV %s of %d tokens%s, max_model_len %d, %s on %s, %s", num_blocks,
+                "blocks" if pools.window is None else "pages", config.block_size,
+                "" if pools.window is None else
+                f" (a global block one, a block of the layers of window {pools.window} "
+                f"{pools.window_pages})",
                 max_model_len, str(dtype).removeprefix("torch."), device, type(backend).__name__)
     runner = ModelRunner(model, backend, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                          block_size=config.block_size, device=device, dtype=dtype,
                          seed=config.seed, max_model_len=max_model_len,
                          num_parameters=num_parameters, weight_bytes=resident,
-                         kv_window=pools.window, num_window_blocks=pools.num_window_blocks,
-                         window_pool_shared=pools.shared)
+                         kv_window=pools.window, window_pages=pools.window_pages)
     if device.type == "cuda" and stub_token_id is None:
         warm_up_kernels(model, backend, max_seq_len=max_model_len, block_size=config.block_size,
                         num_layers=model_config.num_hidden_layers,
@@ -220,7 +211,7 @@ def _kv_pools(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtyp
     pools = plan_kv_pools(config, model_config, dtype, window, kv_bytes)
     if pools.num_blocks < 1:
         raise ValueError(f"kv_cache_memory ({kv_bytes} bytes) is smaller than one KV block "
-                         f"({kv_block_bytes(model_config, config.block_size, dtype)} bytes)")
+                         f"({block_bytes(model_config, config.block_size, dtype, window)} bytes)")
     return pools
 
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from inflight.attention.backend import AttentionBackend, BatchLayout, KVCaches, WindowedMetadata
 from inflight.core.scheduler import PLACEHOLDER_TOKEN, SchedulerOutput
+from inflight.model.llama import Attention
 from inflight.ops.staging import HostStaging
 from inflight.worker.cuda_graphs import DecodeGraphs, Graph
 from inflight.worker.runner import RunnerOutput, TokenLogprobs
@@ -82,16 +83,14 @@ class ModelRunner:
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int,
                  max_model_len: int, num_parameters: int, weight_bytes: int = 0,
                  num_host_blocks: int = 0, kv_window: int | None = None,
-                 num_window_blocks: int = 0, window_pool_shared: bool = False) -> None:
+                 window_pages: int = 1) -> None:
         """``num_parameters``: the model's, as stored (a tied embedding once),
         counted before its weights were packed; ``weight_bytes``: the memory its
         weights take as loaded (packed, quantized). With ``kv_window``, the
-        layers with that sliding window keep their KV in a pool of
-        ``num_window_blocks`` blocks of their own (``core.window_kv``); swapped
-        out, in host blocks numbered as the global layers' are. With
-        ``window_pool_shared`` (as many window layers as global ones) the
-        window layers instead share the global layers' tensors: ``num_blocks``
-        pages of either kind, and page 0."""
+        layers with that sliding window keep only their window's KV
+        (``core.window_kv``): ``num_blocks`` pages (and page 0) in the global
+        layers' tensors hold blocks of either kind, the window layers in
+        ``window_pages`` groups, each on the global layers' tensors."""
         cfg = model.config
         self._num_threads = torch.get_num_threads()  # (as configured by the loader)
         self.model = model
@@ -105,25 +104,32 @@ class ModelRunner:
         self.num_parameters = num_parameters
         self.weight_bytes = weight_bytes
         self.kv_window = kv_window
-        self.num_window_blocks = num_window_blocks if kv_window is not None else 0
-        self.window_pool_shared = window_pool_shared and kv_window is not None
         windows = cfg.sliding_windows or [None] * cfg.num_hidden_layers
-        in_window_pool = [kv_window is not None and w == kv_window for w in windows]
+        in_window = [kv_window is not None and w == kv_window for w in windows]
+        self.window_pages = window_pages if kv_window is not None else 1
         heads, head_dim = cfg.num_key_value_heads, cfg.head_dim
-        # (Window block 0 stays zero: what entries behind the window read.)
-        shared = self.window_pool_shared
-        self.kv_caches, self._full_caches, self._window_caches = _per_layer(
-            in_window_pool, lambda layers, blocks: backend.allocate_kv_cache(
+        # (Page 0 stays zero: what window table entries behind the window read.)
+        self.kv_caches, self._page_caches = _per_layer(
+            in_window, lambda layers, blocks: backend.allocate_kv_cache(
                 layers, blocks, block_size, heads, head_dim, dtype, device),
-            num_blocks + shared, None if shared else self.num_window_blocks + 1)
+            num_blocks + (kv_window is not None))
         # Where swapped-out KV blocks wait: host memory, pinned for fast copies
         # from a GPU.
-        self.host_kv_caches, self._host_full, self._host_window = _per_layer(
-            in_window_pool, lambda layers, blocks: backend.allocate_host_cache(
+        self.host_kv_caches, self._host_pages = _per_layer(
+            in_window, lambda layers, blocks: backend.allocate_host_cache(
                 layers, blocks, block_size, heads, head_dim, dtype,
                 pin_memory=device.type == "cuda"),
-            num_host_blocks, None if shared else num_host_blocks
-        ) if num_host_blocks else ([], [], [])
+            num_host_blocks) if num_host_blocks else ([], [])
+        if kv_window is not None:
+            groups = _window_groups(in_window)
+            if max(groups) + 1 != window_pages:
+                raise ValueError(f"{sum(in_window)} window layers over "
+                                 f"{len(in_window) - sum(in_window)} global ones form "
+                                 f"{max(groups) + 1} groups, not window_pages={window_pages}")
+            attentions = [m for m in model.modules() if isinstance(m, Attention)]
+            for attention, group in zip(attentions, groups, strict=True):
+                attention.kv_group = group
+            backend.layouts_per_step = 1 + window_pages
         self.sampler = Sampler(device, seed)
         self._staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
@@ -137,14 +143,14 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         buffers = [self.backend.decode_buffers(max_batch, max_blocks, self.max_model_len,
                                                self.device)
-                   for _ in range(1 if self.kv_window is None else 2)]
+                   for _ in range(self.backend.layouts_per_step)]
 
         def step(input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
             return self.model.compute_logits(
                 self.model(input_ids, positions, self.kv_caches, metadata))
 
         graphs = DecodeGraphs(step, buffers[0], max_batch, self.device, new_graph,
-                              window_buffers=buffers[1] if len(buffers) > 1 else None)
+                              window_buffers=buffers[1:])
         with torch.inference_mode():
             graphs.capture()
         self.graphs = graphs
@@ -182,18 +188,18 @@ class ModelRunner:
 
         token_rows = np.repeat(np.arange(num_reqs), num_new_np)
         bs = self.block_size
+        step = dict(query_start_loc=query_start_loc, context_lens=context_lens,
+                    seq_lens=seq_lens, block_size=bs)
+        windows = []
+        for g in range(self.window_pages if out.window_block_ids else 0):
+            table = _block_table([groups[g] for groups in out.window_block_ids])
+            windows.append(BatchLayout(block_table=table,
+                                       slot_mapping=_slots(table, token_rows, positions, bs),
+                                       **step))
         block_table = _block_table(out.block_ids)
-        window = None
-        if out.window_block_ids:
-            window_table = _block_table(out.window_block_ids)
-            window = BatchLayout(query_start_loc=query_start_loc, context_lens=context_lens,
-                                 seq_lens=seq_lens, block_table=window_table,
-                                 slot_mapping=_slots(window_table, token_rows, positions, bs),
-                                 block_size=bs)
-        layout = BatchLayout(query_start_loc=query_start_loc, context_lens=context_lens,
-                             seq_lens=seq_lens, block_table=block_table,
+        layout = BatchLayout(block_table=block_table,
                              slot_mapping=_slots(block_table, token_rows, positions, bs),
-                             block_size=bs, window=window)
+                             windows=tuple(windows), **step)
         return np.array(token_ids, dtype=np.int64), positions, layout, sample_rows
 
     @staticmethod
@@ -226,20 +232,9 @@ class ModelRunner:
         host memory, then swapped-in blocks back (in that order: a block freed by
         one may be reused by the next). Runs before ``execute``, even for a step
         that computes nothing."""
-        if self.kv_window is None or self.window_pool_shared:  # (one set of tensors)
-            self._move(self._full_caches, self._host_full, out.copy_blocks, out.swap_out,
-                       out.swap_in)
-            return
-        # Window blocks are numbered after the global ones (``core.window_kv``).
-        blocks, host = self.num_kv_blocks, self.num_host_blocks
-        copies = _split_pairs(out.copy_blocks, blocks, blocks)
-        swap_out = _split_pairs(out.swap_out, blocks, host)
-        swap_in = _split_pairs(out.swap_in, host, blocks)
-        self._move(self._full_caches, self._host_full, copies[0], swap_out[0], swap_in[0])
-        self._move(self._window_caches, self._host_window, copies[1], swap_out[1], swap_in[1])
-
-    def _move(self, caches: KVCaches, host_caches: KVCaches, copies: list[tuple[int, int]],
-              swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        # (Pairs are pages, of every layer's tensors: window layers share them.)
+        caches, host_caches = self._page_caches, self._host_pages
+        copies, swap_out, swap_in = out.copy_blocks, out.swap_out, out.swap_in
         if copies:
             self.backend.copy_blocks(caches, copies)
         if swap_out:
@@ -377,17 +372,16 @@ class ModelRunner:
             raise ValueError(f"a text to score needs 2 to {limit} tokens, got {n}")
         num_blocks = -(-n // bs)
         block_table = np.arange(num_blocks, dtype=np.int64)[None]
-        window = None
+        window_tables = []
         if self.kv_window is not None:
-            # The window layers' blocks as a ring (window blocks 1.., or the
-            # pages after the global ones'): a chunk and the window before it
+            # Each group of window layers uses its share of the pages after
+            # the global ones' as a ring: a chunk and the window before it
             # never wrap onto each other.
-            if self.window_pool_shared:
-                block_table += 1  # (page 0 stays zero)
-                ring_start, ring = num_blocks + 1, self.num_kv_blocks - num_blocks
-            else:
-                ring_start, ring = 1, self.num_window_blocks
-            window_table = ring_start + np.arange(num_blocks, dtype=np.int64)[None] % ring
+            block_table += 1  # (page 0 stays zero)
+            ring = (self.num_kv_blocks - num_blocks) // self.window_pages
+            window_tables = [num_blocks + 1 + g * ring
+                             + np.arange(num_blocks, dtype=np.int64)[None] % ring
+                             for g in range(self.window_pages)]
             if ring < num_blocks:  # (the capacity leaves a ring longer than the window)
                 chunk_size = min(chunk_size, (ring - 1) * bs - self.kv_window + 1)
         ids = np.asarray(token_ids, dtype=np.int64)
@@ -398,12 +392,12 @@ class ModelRunner:
                         context_lens=np.array([start], dtype=np.int64),
                         seq_lens=np.array([end], dtype=np.int64), block_size=bs)
             positions = np.arange(start, end, dtype=np.int64)
-            if self.kv_window is not None:
-                window = BatchLayout(block_table=window_table,
-                                     slot_mapping=_slots(window_table, 0, positions, bs), **step)
+            windows = tuple(BatchLayout(block_table=table,
+                                        slot_mapping=_slots(table, 0, positions, bs), **step)
+                            for table in window_tables)
             layout = BatchLayout(block_table=block_table,
                                  slot_mapping=_slots(block_table, 0, positions, bs),
-                                 window=window, **step)
+                                 windows=windows, **step)
             scored = min(end, n - 1) - start  # positions whose next token is known
             logits = self._forward(ids[start:end], positions, layout,
                                    np.arange(scored, dtype=np.int64))
@@ -419,9 +413,9 @@ class ModelRunner:
         there are none)."""
         ids, pos, index = self._stage(input_ids, [positions, logits_index], feedback)
         metadata = self.backend.build_metadata(layout, self.device)
-        if layout.window is not None:
-            metadata = WindowedMetadata(metadata, self.backend.build_metadata(layout.window,
-                                                                              self.device))
+        if layout.windows:
+            metadata = WindowedMetadata(metadata, [self.backend.build_metadata(w, self.device)
+                                                   for w in layout.windows])
         hidden = self.model(ids, pos, self.kv_caches, metadata)
         if not logits_index.size:
             return None
@@ -433,8 +427,7 @@ class ModelRunner:
 
 def _block_table(tables: list[list[int]]) -> np.ndarray:
     """Block tables as one ``[rows, longest]`` array, padded with block 0 (and
-    window table entries behind the window read the window pool's block 0,
-    which stays zero)."""
+    window table entries behind the window read page 0, which stays zero)."""
     lengths = np.fromiter(map(len, tables), np.int64, len(tables))
     table = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
     table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
@@ -449,27 +442,22 @@ def _slots(table: np.ndarray, rows: np.ndarray | int, positions: np.ndarray,
     return table[rows, positions // block_size] * block_size + positions % block_size
 
 
-def _split_pairs(pairs: list[tuple[int, int]], src_base: int, dst_base: int
-                 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Block pairs of the global pool, and of the window pool (numbered from
-    ``src_base`` / ``dst_base`` on, renumbered from 0)."""
-    full = [(a, b) for a, b in pairs if a < src_base]
-    window = [(a - src_base, b - dst_base) for a, b in pairs if a >= src_base]
-    return full, window
+def _per_layer(in_window: list[bool], allocate: Callable[[int, int], KVCaches],
+               num_blocks: int) -> tuple[KVCaches, KVCaches]:
+    """Every layer's (K, V), in layer order, and the tensors allocated
+    (``allocate(layers, blocks)``): one (K, V) per global layer, and window
+    layer ``m`` (counting window layers only) on global layer ``m % G``'s
+    (each group of window layers has pages of its own there)."""
+    pages = allocate(len(in_window) - sum(in_window), num_blocks)
+    window_layers = itertools.count()
+    global_layers = iter(pages)
+    return [pages[next(window_layers) % len(pages)] if w else next(global_layers)
+            for w in in_window], pages
 
 
-def _per_layer(in_window_pool: list[bool], allocate: Callable[[int, int], KVCaches],
-               num_blocks: int, num_window_blocks: int | None
-               ) -> tuple[KVCaches, KVCaches, KVCaches]:
-    """Every layer's (K, V), in layer order, then the global layers' and the
-    window layers': ``allocate(layers, blocks)`` for each pool, or, with
-    ``num_window_blocks`` None, the k-th window layer on the k-th global
-    layer's tensors (as many of each)."""
-    num_window = sum(in_window_pool)
-    full = allocate(len(in_window_pool) - num_window, num_blocks)
-    if num_window_blocks is None:
-        window = full
-    else:
-        window = allocate(num_window, num_window_blocks) if num_window else []
-    each = iter(full), iter(window)
-    return [next(each[w]) for w in in_window_pool], full, window
+def _window_groups(in_window: list[bool]) -> list[int]:
+    """Each layer's group of window layers (0 for a global layer): window layer
+    ``m`` is in group ``m // G``, ``G`` the number of global layers."""
+    num_global = len(in_window) - sum(in_window)
+    window_layers = itertools.count()
+    return [next(window_layers) // num_global if w else 0 for w in in_window]

@@ -47,13 +47,11 @@ class Runner(Protocol):
     num_kv_blocks: int     # device KV blocks the cache holds
     num_host_blocks: int   # host blocks for swapped-out KV
     max_model_len: int     # context limit: the model's, capped by the KV capacity
-    # Optional: the sliding window whose layers keep their KV apart, in a pool
-    # of ``num_window_blocks`` of their own or (``window_pool_shared``) in
-    # pages of one pool with the global layers (``core.window_kv``); a runner
-    # without it has one pool.
+    # Optional: the sliding window whose layers keep only their window's KV,
+    # in pages shared with the global layers, ``window_pages`` to a window
+    # block (``core.window_kv``); a runner without it has one pool.
     kv_window: int | None
-    num_window_blocks: int
-    window_pool_shared: bool
+    window_pages: int
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         """Copy and swap KV blocks as ``out`` asks; runs even for an empty step."""
