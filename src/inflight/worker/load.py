@@ -151,8 +151,8 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
     logger.info("%d KV %s of %d tokens%s, max_model_len %d, %s on %s, %s", num_blocks,
                 "blocks" if pools.window is None else "pages", config.block_size,
                 "" if pools.window is None else
-                f" (a global block one, a block of the layers of window {pools.window} "
-                f"{pools.window_pages})",
+                f" (one per global block, {pools.window_pages} per block of the layers of "
+                f"window {pools.window})",
                 max_model_len, str(dtype).removeprefix("torch."), device, type(backend).__name__)
     runner = ModelRunner(model, backend, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                          block_size=config.block_size, device=device, dtype=dtype,
