@@ -399,3 +399,14 @@ def test_gemma_3_shapes_get_a_page_per_group_of_window_layers():
         assert kv.holds(long, window_blocks_needed(window, 16, 1, 8192))
         cost = long + pages * window_blocks_needed(window, 16, 1, 16)
         assert cost * 5 < long * layers / global_layers
+
+
+def test_a_window_table_reads_page_0_behind_the_window():
+    """The runner's window block table: each row's live pages where they are,
+    page 0 behind the window and past the row's end."""
+    from inflight.worker.model_runner import _window_table
+
+    rows = [[NO_BLOCK, NO_BLOCK, 5, 7], [3], [NO_BLOCK] * 5 + [9, 2, 4], [8, 6]]
+    expected = np.array([[0, 0, 5, 7, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 0],
+                         [0, 0, 0, 0, 0, 9, 2, 4], [8, 6, 0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(_window_table(rows), expected)

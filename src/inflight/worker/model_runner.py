@@ -23,6 +23,7 @@ same with and without speculation.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from torch import nn
 
 from inflight.attention.backend import AttentionBackend, BatchLayout, KVCaches, WindowedMetadata
 from inflight.core.scheduler import PLACEHOLDER_TOKEN, SchedulerOutput
+from inflight.core.window_kv import NO_BLOCK
 from inflight.model.llama import Attention
 from inflight.ops.staging import HostStaging
 from inflight.worker.cuda_graphs import DecodeGraphs, Graph
@@ -192,7 +194,7 @@ class ModelRunner:
                     seq_lens=seq_lens, block_size=bs)
         windows = []
         for g in range(self.window_pages if out.window_block_ids else 0):
-            table = _block_table([groups[g] for groups in out.window_block_ids])
+            table = _window_table([groups[g] for groups in out.window_block_ids])
             windows.append(BatchLayout(block_table=table,
                                        slot_mapping=_slots(table, token_rows, positions, bs),
                                        **step))
@@ -426,13 +428,28 @@ class ModelRunner:
 
 
 def _block_table(tables: list[list[int]]) -> np.ndarray:
-    """Block tables as one ``[rows, longest]`` array, padded with block 0 (and
-    window table entries behind the window read page 0, which stays zero)."""
+    """Block tables as one ``[rows, longest]`` array, padded with block 0."""
     lengths = np.fromiter(map(len, tables), np.int64, len(tables))
     table = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
     table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
         itertools.chain.from_iterable(tables), np.int64, int(lengths.sum()))
-    return np.maximum(table, 0, out=table)
+    return table
+
+
+def _window_table(tables: list[list[int]]) -> np.ndarray:
+    """As ``_block_table`` for window tables, whose entries behind the window
+    (``NO_BLOCK``, all before the first live one) read page 0, which stays
+    zero: only the live entries are read from the lists (a long context's
+    table is mostly behind its window, and a model has a table per group)."""
+    firsts = [bisect.bisect_right(t, NO_BLOCK) for t in tables]  # (-1s, then pages)
+    starts = np.array(firsts, dtype=np.int64)
+    lengths = np.fromiter(map(len, tables), np.int64, len(tables))
+    columns = np.arange(int(lengths.max()))
+    table = np.zeros((len(tables), columns.size), dtype=np.int64)
+    table[(columns >= starts[:, None]) & (columns < lengths[:, None])] = np.fromiter(
+        itertools.chain.from_iterable(t[f:] for t, f in zip(tables, firsts)), np.int64,
+        int((lengths - starts).sum()))
+    return table
 
 
 def _slots(table: np.ndarray, rows: np.ndarray | int, positions: np.ndarray,
