@@ -52,3 +52,28 @@ def test_reset_forgets_every_key_but_leaves_held_blocks_held():
     assert pool.reset() == 2
     assert pool.cached == {} and pool.keys == [None] * 3
     assert pool.ref_counts[held] == 1 and pool.num_free == 2 and not pool.evictable
+
+
+def test_companions_are_held_cached_evicted_and_freed_with_their_block():
+    pool = BlockPool(6, first=1)
+    block = pool.pop_free(num_companions=2)
+    assert pool.with_companions(block) == [1, 2, 3] and pool.num_free == 3
+    pool.register(block, b"w")
+    pool.release(block)  # evictable, with its companions
+    assert pool.num_free == 6 and len(pool.free) == 3
+    pool.take(block)  # a prefix hit takes all three back
+    assert pool.num_free == 3
+    pool.release(block)
+    others = [pool.pop_free() for _ in range(4)]  # the fourth evicts it
+    assert others[:3] == [4, 5, 6] and others[3] == block
+    assert pool.num_evicted == 1 and block not in pool.companions
+    assert pool.num_free == 2 and sorted(pool.free) == [2, 3]
+    for b in others:
+        pool.release(b)
+    companion = pool.pop_free(num_companions=1)
+    pool.register(companion, b"v")
+    pool.release(companion)
+    assert pool.reset() == 1 and pool.num_free == 6 and not pool.companions
+    held = pool.pop_free(num_companions=1)
+    pool.release(held, keep_cached=False)
+    assert pool.num_free == 6 and len(pool.free) == 6

@@ -188,6 +188,16 @@ def check_beam_searches(sched: Scheduler) -> None:
                 dict(arrival=0, prompt=[1], n=1, max_tokens=1, priority=0, tenant=None, deadline=None, expected=None, shared_prefix=False),
                 dict(arrival=0, prompt=[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], n=1, max_tokens=1, priority=0, tenant='b', deadline=None, expected=None, shared_prefix=False)],
          aborts=[])
+# Found by a reviewer's fuzzing: an interactive request deferred at its
+# tenant's cap (a background beam search of its tenant held both slots) was
+# not considered again once a newcomer displaced that search, and background
+# work took the slot it could have had.
+@example(o=dict(policy='fair', max_num_seqs=2, drop_expired=False, host_blocks=3, chunked=True, tenant_cap=2, num_blocks=8, caching=False, static=False, block_size=8, preemption_mode='recompute', budget=42, preempt_for_priority=False, background_tokens=5, linger=0.0, window=None, reset_at=None),
+         specs=[dict(arrival=1, prompt=[12], n=2, max_tokens=7, priority=1, tenant=None, deadline=None, expected=None, shared_prefix=True, beam_width=0, background=False),
+                dict(arrival=4, prompt=[10], n=1, max_tokens=9, priority=1, tenant='b', deadline=None, expected=4, shared_prefix=False, beam_width=0, background=True),
+                dict(arrival=0, prompt=[47, 11, 21, 45, 46, 36, 9, 4, 49, 36, 13, 3, 19, 47], n=2, max_tokens=18, priority=2, tenant=None, deadline=None, expected=None, shared_prefix=True, beam_width=2, background=True),
+                dict(arrival=5, prompt=[39, 24, 22, 2, 2, 25, 18, 48, 7, 32, 32, 35, 44, 41, 40, 21, 23, 8, 37, 19, 46, 46, 44, 34, 2, 20], n=2, max_tokens=16, priority=1, tenant='a', deadline=16, expected=3, shared_prefix=False, beam_width=1, background=False)],
+         aborts=[])
 def test_every_policy_and_option_keeps_the_invariants(o, specs, aborts):
     clock = StepClock()
     sched = build(o, clock)

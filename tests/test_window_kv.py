@@ -410,3 +410,34 @@ def test_a_window_table_reads_page_0_behind_the_window():
     expected = np.array([[0, 0, 5, 7, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 0],
                          [0, 0, 0, 0, 0, 9, 2, 4], [8, 6, 0, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(_window_table(rows), expected)
+
+
+@pytest.mark.parametrize("pages, window_pages", [(7, 1), (11, 2), (14, 3)])
+def test_a_prompt_waits_for_an_outranking_newcomer_only_if_its_windows_fit(pages, window_pages):
+    """A running prompt chunk yields its step to a waiting request that
+    outranks it (fair share, preempt_for_priority) only when the newcomer
+    fits in the free pages with its window blocks: counting its global
+    blocks alone, the two prompts preempted each other forever (found by a
+    reviewer's fuzzing; one page a window block livelocked before pages too)."""
+    kv = WindowedKVCacheManager(pages, 4, window=2, window_pages=window_pages)
+    now = [0.0]
+    sched = Scheduler(kv, make_policy("fair", PolicyConfig()), clock=lambda: now[0],
+                      max_num_seqs=4, max_num_batched_tokens=1, max_model_len=12,
+                      preempt_for_priority=True)
+    worker = FakeWorker(kv)
+
+    def request(rid: str, n: int, tenant: str | None = None) -> Request:
+        return Request(rid, [1] * n, SamplingParams(), 1, frozenset(), now[0], tenant=tenant)
+
+    sched.add_request(request("a", 9, "x"))
+    for step in range(200):
+        now[0] = float(step)
+        if step == 1:
+            sched.add_request(request("b", 3))
+            sched.add_request(request("c", 11))
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        worker.move_blocks(out)
+        sched.update_from_output(out, worker.execute(out))
+    assert not sched.has_unfinished_requests(), "the prompts preempt each other forever"

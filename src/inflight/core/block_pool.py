@@ -48,7 +48,8 @@ class BlockPool:
     def pop_free(self, num_companions: int = 0) -> int:
         """A block for new content, held once, with ``num_companions``
         companions: plain free blocks, else the least recently released cached
-        ones, which are evicted."""
+        ones, which are evicted. The caller has checked that ``num_free``
+        covers them all."""
         block = self._pop()
         self.ref_counts[block] = 1
         if num_companions:

@@ -92,6 +92,11 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def fits_free(self, num_tokens: int, step_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` positions, computed in steps of
+        up to ``step_tokens``, fits in the blocks free now."""
+        return cdiv(num_tokens, self.block_size) <= self.num_free_blocks
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (empty if it holds none). Do not mutate."""
         return self._tables.get(request_id, [])

@@ -427,7 +427,7 @@ class Scheduler:
         if not (self.policy.yields(request, newcomer) or (
                 self.preempt_for_priority and self.policy.precedes(newcomer, request))):
             return False
-        return newcomer.num_tokens <= self.kv_cache.num_free_blocks * self.kv_cache.block_size
+        return self.kv_cache.fits_free(newcomer.num_tokens, self.max_num_batched_tokens)
 
     def _limit(self, request: Request, budget: int) -> int:
         """The most tokens ``request`` may compute with ``budget`` left: background
@@ -475,6 +475,9 @@ class Scheduler:
                 if freed is None:
                     break
                 budget += freed
+                for waiting in reversed(deferred):  # (their tenants may have lost a request)
+                    self.policy.requeue(waiting)
+                deferred.clear()
                 continue
             self.policy.pop()
             if not swapped:

@@ -108,6 +108,12 @@ class WindowedKVCacheManager(KVCacheManager):
         return (global_need + k * window_need
                 <= self.num_free_blocks - reviving_global - k * reviving_window)
 
+    def fits_free(self, num_tokens: int, step_tokens: int) -> bool:
+        """(Its window blocks too: never more than its global blocks.)"""
+        need = cdiv(num_tokens, self.block_size)
+        return self._room(need, min(need, window_blocks_needed(self.window, self.block_size, 1,
+                                                               step_tokens)))
+
     def window_block_ids(self, request_id: str) -> list[int]:
         """The request's window table (empty if it holds none), by each
         window block's first page. Do not mutate."""
@@ -283,6 +289,8 @@ class WindowedKVCacheManager(KVCacheManager):
         self._host_free.extend(self._host_windows.pop(request_id, ()))
 
     def free_tail(self, request_id: str, num_tokens: int) -> None:
+        """(``num_tokens`` is never behind the window the request keeps: its
+        computed positions, or more.)"""
         super().free_tail(request_id, num_tokens)
         table = self._wtables.get(request_id)
         keep = cdiv(num_tokens, self.block_size)
