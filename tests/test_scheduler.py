@@ -298,3 +298,42 @@ def test_a_request_that_preempts_itself_leaves_the_rest_of_the_batch_running():
     # heavy needs a block; its tenant has been served more: it is its own victim
     assert out.preempted_request_ids == ["heavy"]
     assert [r.request_id for r in out.requests] == ["light"]
+
+
+def test_a_beam_search_ends_at_the_context_limit():
+    """A search asked for more tokens than the context holds stops there, as
+    any request does (found by a reviewer's fuzzing: without chunked prefill
+    its beam, preempted by an outranking request, had more tokens than a
+    step's budget and never ran again)."""
+    from fake_worker import FakeWorker
+
+    from inflight.core.beam_search import BeamSearch, BeamSearchParams
+    from inflight.core.policy import PolicyConfig, make_policy
+
+    kv = KVCacheManager(17, 2)
+    now = [0.0]
+    sched = Scheduler(kv, make_policy("priority", PolicyConfig()), clock=lambda: now[0],
+                      max_num_seqs=4, max_num_batched_tokens=18, max_model_len=18,
+                      enable_chunked_prefill=False, preempt_for_priority=True)
+    worker = FakeWorker(kv)
+    leader = Request("b#beam0", list(range(1, 19)), SamplingParams(), 16, frozenset({0}), 0.0,
+                     priority=5)
+    search = BeamSearch("b", BeamSearchParams(beam_width=1, max_tokens=16), 16, frozenset({0}))
+    search.start(leader)
+    sched.add_request(leader)
+    assert search.max_tokens == 1
+    longest = 0
+    for step in range(200):
+        now[0] = float(step)
+        if step == 3:
+            sched.add_request(Request("hi", list(range(1, 17)), SamplingParams(), 2,
+                                      frozenset(), 3.0, priority=0))
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        worker.move_blocks(out)
+        sampled = worker.execute(out)
+        sched.update_from_output(out, sampled, worker.beam_candidates(out, sampled))
+        sched.pop_finished_searches()
+        longest = max([longest] + [r.num_tokens for r in sched.running])
+    assert not sched.has_unfinished_requests() and longest <= 19

@@ -202,6 +202,11 @@ class Scheduler:
             raise ValueError(f"n or best_of ({1 + len(forks)}) exceeds max_num_seqs="
                              f"{self.max_num_seqs}")
         if request.beam is not None:
+            # (As every request, a search ends at the context limit: else its
+            # beams, preempted, could need more than a step's budget again.)
+            search = request.beam
+            search.max_tokens = min(search.max_tokens,
+                                    max(1, self.max_model_len - request.num_prompt_tokens))
             self._check_beam_search(request)
         for r in (request, *forks):
             if r.arrival_time is None:
