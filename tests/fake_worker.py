@@ -14,7 +14,8 @@ import zlib
 
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.scheduler import SchedulerOutput
-from inflight.core.window_kv import NO_BLOCK, NULL_WINDOW_BLOCK, WindowedKVCacheManager
+from inflight.core.window_kv import (NO_BLOCK, NULL_WINDOW_BLOCK, WINDOW_KEY,
+                                     WindowedKVCacheManager)
 
 VOCAB = 50
 
@@ -159,6 +160,7 @@ def check_accounting(kv: KVCacheManager) -> None:
         companions = [p for b in holders for p in kv.window_block_pages(b)[1:]]
         assert NULL_WINDOW_BLOCK not in holders and NULL_WINDOW_BLOCK not in companions
         assert len(set(companions)) == len(companions) and not holders.keys() & set(companions)
+        assert kv.num_cached_blocks == sum(not h.endswith(WINDOW_KEY) for h in kv._pool.cached)
     for block in range(len(kv._pool.ref_counts)):
         assert kv.ref_count(block) == holders.get(block, 0)
     assert len(holders) + len(companions) + kv.num_free_blocks == kv.num_blocks, (

@@ -77,3 +77,25 @@ def test_companions_are_held_cached_evicted_and_freed_with_their_block():
     held = pool.pop_free(num_companions=1)
     pool.release(held, keep_cached=False)
     assert pool.num_free == 6 and len(pool.free) == 6
+
+
+def test_keys_with_the_counted_suffix_are_counted_through_every_change():
+    pool = BlockPool(3, counted_suffix=b"/w")
+    a, b = pool.pop_free(), pool.pop_free()
+    pool.register(a, b"x/w")
+    pool.register(b, b"y")
+    assert pool.num_suffixed == 1
+    pool.release(a, keep_cached=False)  # forgotten
+    assert pool.num_suffixed == 0
+    c = pool.pop_free()
+    pool.register(c, b"z/w")
+    pool.release(c)
+    pool.release(b)
+    for _ in range(3):  # the last two evict c, then b
+        pool.pop_free()
+    assert pool.num_suffixed == 0 and pool.num_evicted == 2
+    for block in range(3):
+        pool.release(block)
+    d = pool.pop_free()
+    pool.register(d, b"d/w")
+    assert pool.reset() == 1 and pool.num_suffixed == 0

@@ -19,9 +19,11 @@ from collections import OrderedDict, deque
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, first: int = 0) -> None:
+    def __init__(self, num_blocks: int, first: int = 0,
+                 counted_suffix: bytes | None = None) -> None:
         """Blocks ``first ..`` ``first + num_blocks - 1``; ids below ``first``
-        are never handed out."""
+        are never handed out. ``num_suffixed`` counts the cached keys that end
+        with ``counted_suffix`` (a kind of block sharing the pool)."""
         self.num_blocks = num_blocks
         self.free: deque[int] = deque(range(first, first + num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently released first
@@ -31,6 +33,8 @@ class BlockPool:
         self.companions: dict[int, list[int]] = {}  # block -> its companions
         self._evictable_companions = 0  # companions of evictable blocks
         self.num_evicted = 0
+        self._suffix = counted_suffix
+        self.num_suffixed = 0
 
     @property
     def num_free(self) -> int:
@@ -59,8 +63,7 @@ class BlockPool:
     def _pop(self) -> int:
         if not self.free:
             block, _ = self.evictable.popitem(last=False)
-            del self.cached[self.keys[block]]
-            self.keys[block] = None
+            self._forget(block)
             self.num_evicted += 1
             self.free.appendleft(block)
             companions = self.companions.pop(block, ())
@@ -75,8 +78,8 @@ class BlockPool:
         if self.ref_counts[block] == 0:
             key = self.keys[block]
             if key is not None and not keep_cached:
-                del self.cached[key]
-                self.keys[block] = key = None
+                self._forget(block)
+                key = None
             if key is None:
                 self.free.append(block)
                 if self.companions:
@@ -95,6 +98,13 @@ class BlockPool:
         if self.keys[block] is None and key not in self.cached:
             self.keys[block] = key
             self.cached[key] = block
+            self.num_suffixed += self._suffix is not None and key.endswith(self._suffix)
+
+    def _forget(self, block: int) -> None:
+        key = self.keys[block]
+        del self.cached[key]
+        self.keys[block] = None
+        self.num_suffixed -= self._suffix is not None and key.endswith(self._suffix)
 
     def reset(self) -> int:
         """Forget every cached block (held ones stay with their holders);
@@ -103,6 +113,7 @@ class BlockPool:
         for block in self.cached.values():
             self.keys[block] = None
         self.cached.clear()
+        self.num_suffixed = 0
         for block in self.evictable:
             self.free.append(block)
             self.free.extend(self.companions.pop(block, ()))

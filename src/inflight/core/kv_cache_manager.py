@@ -44,6 +44,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
+    # Cache keys are content hashes; a subclass sharing the pool with another
+    # kind of block keys those with this suffix, counted apart.
+    _counted_key_suffix: bytes | None = None
+
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  enable_caching: bool = False, first_block: int = 0) -> None:
         """Device blocks ``first_block ..``; the worker's blocks below that
@@ -54,7 +58,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.enable_caching = enable_caching
-        self._pool = BlockPool(num_blocks, first_block)  # keys: content hashes
+        self._pool = BlockPool(num_blocks, first_block, self._counted_key_suffix)
         self._tables: dict[str, list[int]] = {}
         # Leading blocks of each table already registered in (or checked against)
         # the prefix cache.

@@ -70,6 +70,8 @@ def window_blocks_needed(window: int, block_size: int, num_seqs: int, step_token
 
 
 class WindowedKVCacheManager(KVCacheManager):
+    _counted_key_suffix = WINDOW_KEY
+
     def __init__(self, num_blocks: int, block_size: int, *, window: int,
                  window_pages: int = 1, num_host_blocks: int = 0,
                  enable_caching: bool = False) -> None:
@@ -200,7 +202,7 @@ class WindowedKVCacheManager(KVCacheManager):
     @property
     def num_cached_blocks(self) -> int:
         """Global blocks findable in the prefix cache."""
-        return sum(not h.endswith(WINDOW_KEY) for h in self._pool.cached)
+        return len(self._pool.cached) - self._pool.num_suffixed
 
     def reset_prefix_cache(self) -> int:
         count = self.num_cached_blocks
