@@ -4,6 +4,14 @@ released first, keys forgotten on eviction and on reset."""
 from inflight.core.block_pool import BlockPool
 
 
+def _cached(pool: BlockPool, *keys: bytes) -> list[int]:
+    """A new block held and cached under each key."""
+    blocks = [pool.pop_free() for _ in keys]
+    for block, key in zip(blocks, keys):
+        pool.register(block, key)
+    return blocks
+
+
 def test_plain_free_blocks_go_before_cached_ones_and_eviction_is_lru():
     pool = BlockPool(4, first=1)
     blocks = [pool.pop_free() for _ in range(4)]
@@ -21,9 +29,7 @@ def test_plain_free_blocks_go_before_cached_ones_and_eviction_is_lru():
 
 def test_taking_a_cached_block_back_keeps_it_from_eviction():
     pool = BlockPool(2)
-    a, b = pool.pop_free(), pool.pop_free()
-    pool.register(a, b"a")
-    pool.register(b, b"b")
+    a, b = _cached(pool, b"a", b"b")
     pool.release(a)
     pool.release(b)
     pool.take(a)  # a prefix hit
@@ -45,9 +51,7 @@ def test_a_twin_is_not_registered_and_a_release_may_forget_the_key():
 
 def test_reset_forgets_every_key_but_leaves_held_blocks_held():
     pool = BlockPool(3)
-    held, released = pool.pop_free(), pool.pop_free()
-    pool.register(held, b"h")
-    pool.register(released, b"r")
+    held, released = _cached(pool, b"h", b"r")
     pool.release(released)
     assert pool.reset() == 2
     assert pool.cached == {} and pool.keys == [None] * 3

@@ -58,7 +58,7 @@ from inflight.core.beam_search import BeamSearch
 from inflight.core.kv_cache_manager import KVCacheManager
 from inflight.core.policy import SchedulingPolicy
 from inflight.core.request import FinishReason, Request, RequestStatus
-from inflight.core.window_kv import WindowedKVCacheManager, window_blocks_needed
+from inflight.core.window_kv import WindowedKVCacheManager
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -152,11 +152,8 @@ class Scheduler:
             raise ValueError("without chunked prefill, max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
         window_kv = kv_cache if isinstance(kv_cache, WindowedKVCacheManager) else None
-        # (A request's window table is as long as its block table: never more
-        # window blocks than global ones.)
         longest = -(-max_model_len // kv_cache.block_size)
-        if window_kv is not None and not window_kv.holds(longest, min(longest, window_blocks_needed(
-                window_kv.window, kv_cache.block_size, 1, max_num_batched_tokens))):
+        if window_kv is not None and not window_kv.holds(longest, 1, max_num_batched_tokens):
             raise ValueError(f"the KV cache cannot hold one request of max_model_len="
                              f"{max_model_len} with its sliding window of {window_kv.window} "
                              f"tokens and a step of {max_num_batched_tokens}")
@@ -231,8 +228,8 @@ class Scheduler:
                              f"{search.max_tokens} may need {need} KV blocks, more than the "
                              f"cache's {kv.num_blocks}")
         window_kv = self.window_kv
-        if window_kv is not None and not window_kv.holds(need, min(need, window_blocks_needed(
-                window_kv.window, kv.block_size, search.width, self.max_num_batched_tokens))):
+        if window_kv is not None and not window_kv.holds(need, search.width,
+                                                         self.max_num_batched_tokens):
             raise ValueError(f"a beam search of width {search.width} over "
                              f"{request.num_prompt_tokens} prompt tokens may need more KV "
                              f"blocks than the cache holds with its sliding windows")

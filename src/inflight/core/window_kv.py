@@ -82,8 +82,9 @@ class WindowedKVCacheManager(KVCacheManager):
         super().__init__(num_blocks, block_size, num_host_blocks, enable_caching, first_block=1)
         self.window = window
         self.window_pages = window_pages
-        self._wtables: dict[str, list[int]] = {}  # by each window block's first page
-        self._wgroups: dict[str, list[list[int]]] = {}  # the pages of each group
+        # Each request's window table per group of window layers (group 0's,
+        # by each window block's first page, is the window table).
+        self._wgroups: dict[str, list[list[int]]] = {}
         self._first_live: dict[str, int] = {}
         self._host_first_live: dict[str, int] = {}
         self._host_windows: dict[str, list[int]] = {}  # swapped-out window pages
@@ -98,9 +99,20 @@ class WindowedKVCacheManager(KVCacheManager):
         bs = self.block_size
         return self._needed_from((num_computed - 1) // bs * bs)
 
-    def holds(self, global_blocks: int, window_blocks: int) -> bool:
-        """Whether the cache, empty, holds that many blocks of each kind."""
-        return global_blocks + self.window_pages * window_blocks <= self.num_blocks
+    def _window_charge(self, num_blocks: int, num_seqs: int, step_tokens: int) -> int:
+        """The most window blocks ``num_seqs`` requests holding ``num_blocks``
+        global blocks may hold in steps of ``step_tokens``: their windows and
+        a step's blocks, never more than their global blocks (a window table
+        is as long as its block table)."""
+        return min(num_blocks, window_blocks_needed(self.window, self.block_size, num_seqs,
+                                                    step_tokens))
+
+    def holds(self, num_blocks: int, num_seqs: int, step_tokens: int) -> bool:
+        """Whether the cache, empty, holds ``num_seqs`` requests with
+        ``num_blocks`` global blocks among them, and their window blocks."""
+        return (num_blocks + self.window_pages * self._window_charge(num_blocks, num_seqs,
+                                                                     step_tokens)
+                <= self.num_blocks)
 
     def _room(self, global_need: int, window_need: int, reviving_global: int = 0,
               reviving_window: int = 0) -> bool:
@@ -111,15 +123,15 @@ class WindowedKVCacheManager(KVCacheManager):
                 <= self.num_free_blocks - reviving_global - k * reviving_window)
 
     def fits_free(self, num_tokens: int, step_tokens: int) -> bool:
-        """(Its window blocks too: never more than its global blocks.)"""
+        """(And its window blocks.)"""
         need = cdiv(num_tokens, self.block_size)
-        return self._room(need, min(need, window_blocks_needed(self.window, self.block_size, 1,
-                                                               step_tokens)))
+        return self._room(need, self._window_charge(need, 1, step_tokens))
 
     def window_block_ids(self, request_id: str) -> list[int]:
         """The request's window table (empty if it holds none), by each
         window block's first page. Do not mutate."""
-        return self._wtables.get(request_id, [])
+        groups = self._wgroups.get(request_id)
+        return groups[0] if groups else []
 
     def window_group_tables(self, request_id: str) -> list[list[int]]:
         """The request's window table for each group of window layers: the
@@ -128,7 +140,6 @@ class WindowedKVCacheManager(KVCacheManager):
         return self._wgroups.get(request_id, [])
 
     def _set_table(self, request_id: str, table: list[int]) -> None:
-        self._wtables[request_id] = table
         companions = self._pool.companions
         self._wgroups[request_id] = [table] + [
             [NO_BLOCK if b == NO_BLOCK else companions[b][g] for b in table]
@@ -145,9 +156,13 @@ class WindowedKVCacheManager(KVCacheManager):
         """A window block's page in each group."""
         return self._pool.with_companions(block)
 
+    def _pages(self, blocks: list[int]) -> list[int]:
+        """The pages of window blocks, block after block."""
+        return [p for block in blocks for p in self._pool.with_companions(block)]
+
     def owned_window_blocks(self) -> dict[str, list[int]]:
         """Every request's window table, for invariant checks."""
-        return self._wtables
+        return {rid: groups[0] for rid, groups in self._wgroups.items()}
 
     def slide(self, request: Request) -> None:
         """Release the request's window blocks that its window has left behind
@@ -156,10 +171,10 @@ class WindowedKVCacheManager(KVCacheManager):
         first = self._first_live.get(rid)
         if first is None:
             return
-        kept = min(self._kept_from(request.num_computed_tokens), len(self._wtables[rid]))
+        table = self._wgroups[rid][0]
+        kept = min(self._kept_from(request.num_computed_tokens), len(table))
         if kept <= first:
             return
-        table = self._wtables[rid]
         prompt_blocks = request.num_prompt_tokens // self.block_size
         for j in range(first, kept):
             self._pool.release(table[j], keep_cached=j < prompt_blocks)
@@ -191,7 +206,7 @@ class WindowedKVCacheManager(KVCacheManager):
 
     def _register(self, request_id: str, hashes: list[bytes], start: int, end: int) -> None:
         super()._register(request_id, hashes, start, end)
-        table = self._wtables[request_id]
+        table = self._wgroups[request_id][0]
         for i in range(start, end):
             if table[i] != NO_BLOCK:
                 self._pool.register(table[i], hashes[i] + WINDOW_KEY)
@@ -212,9 +227,9 @@ class WindowedKVCacheManager(KVCacheManager):
     # ------------------------------------------------------------- allocation
     def allocate_slots(self, request_id: str, num_tokens: int,
                        cached_blocks: Sequence[int] = ()) -> list[int] | None:
-        table = self._wtables.get(request_id)
-        if table is not None:
-            need = cdiv(num_tokens, self.block_size) - len(table)
+        groups = self._wgroups.get(request_id)
+        if groups is not None:
+            need = cdiv(num_tokens, self.block_size) - len(groups[0])
             if need <= 0:
                 return []
             if not self._room(need, need):
@@ -258,7 +273,7 @@ class WindowedKVCacheManager(KVCacheManager):
         child needs, the child shares less (its full blocks only, or nothing,
         and computes the rest)."""
         bs = self.block_size
-        parent = self._wtables[parent_id]
+        parent = self._wgroups[parent_id][0]
         full = num_tokens // bs
         candidates = [full * bs]
         if num_tokens % bs and self._room(1, 1):
@@ -282,10 +297,10 @@ class WindowedKVCacheManager(KVCacheManager):
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
-        for block in reversed(self._wtables.pop(request_id, ())):
+        groups = self._wgroups.pop(request_id, None)
+        for block in reversed(groups[0] if groups else ()):
             if block != NO_BLOCK:
                 self._pool.release(block)
-        self._wgroups.pop(request_id, None)
         self._first_live.pop(request_id, None)
         self._host_first_live.pop(request_id, None)
         self._host_free.extend(self._host_windows.pop(request_id, ()))
@@ -294,14 +309,14 @@ class WindowedKVCacheManager(KVCacheManager):
         """(``num_tokens`` is never behind the window the request keeps: its
         computed positions, or more.)"""
         super().free_tail(request_id, num_tokens)
-        table = self._wtables.get(request_id)
+        groups = self._wgroups.get(request_id)
         keep = cdiv(num_tokens, self.block_size)
-        if table is None or len(table) <= keep:
+        if groups is None or len(groups[0]) <= keep:
             return
-        for block in reversed(table[keep:]):
+        for block in reversed(groups[0][keep:]):
             if block != NO_BLOCK:
                 self._pool.release(block)
-        for group in self._wgroups[request_id]:
+        for group in groups:
             del group[keep:]
 
     # ------------------------------------------------------------------- swap
@@ -310,9 +325,9 @@ class WindowedKVCacheManager(KVCacheManager):
         return self._room(need, need - self._host_first_live.get(request_id, 0))
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        table = self._wtables.get(request_id, [])
+        table = self.window_block_ids(request_id)
         first = self._first_live.get(request_id, 0)
-        pages = [p for block in table[first:] for p in self.window_block_pages(block)]
+        pages = self._pages(table[first:])
         if len(table) + len(pages) > len(self._host_free):
             return None
         pairs = super().swap_out(request_id)  # (frees the window blocks)
@@ -336,5 +351,4 @@ class WindowedKVCacheManager(KVCacheManager):
         self._first_live[request_id] = first
         window_host = self._host_windows.pop(request_id)
         self._host_reading.extend(window_host)
-        return pairs + list(zip(window_host, (p for block in table
-                                              for p in self.window_block_pages(block))))
+        return pairs + list(zip(window_host, self._pages(table)))

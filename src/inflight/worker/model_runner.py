@@ -107,27 +107,26 @@ class ModelRunner:
         self.weight_bytes = weight_bytes
         self.kv_window = kv_window
         windows = cfg.sliding_windows or [None] * cfg.num_hidden_layers
-        in_window = [kv_window is not None and w == kv_window for w in windows]
+        places = _kv_places([kv_window is not None and w == kv_window for w in windows])
         self.window_pages = window_pages if kv_window is not None else 1
         heads, head_dim = cfg.num_key_value_heads, cfg.head_dim
         # (Page 0 stays zero: what window table entries behind the window read.)
         self.kv_caches, self._page_caches = _per_layer(
-            in_window, lambda layers, blocks: backend.allocate_kv_cache(
+            places, lambda layers, blocks: backend.allocate_kv_cache(
                 layers, blocks, block_size, heads, head_dim, dtype, device),
             num_blocks + (kv_window is not None))
         # Where swapped-out KV blocks wait: host memory, pinned for fast copies
         # from a GPU.
         self.host_kv_caches, self._host_pages = _per_layer(
-            in_window, lambda layers, blocks: backend.allocate_host_cache(
+            places, lambda layers, blocks: backend.allocate_host_cache(
                 layers, blocks, block_size, heads, head_dim, dtype,
                 pin_memory=device.type == "cuda"),
             num_host_blocks) if num_host_blocks else ([], [])
         if kv_window is not None:
-            groups = _window_groups(in_window)
+            groups = [group for _, group in places]
             if max(groups) + 1 != window_pages:
-                raise ValueError(f"{sum(in_window)} window layers over "
-                                 f"{len(in_window) - sum(in_window)} global ones form "
-                                 f"{max(groups) + 1} groups, not window_pages={window_pages}")
+                raise ValueError(f"the window layers form {max(groups) + 1} groups, not "
+                                 f"window_pages={window_pages}")
             attentions = [m for m in model.modules() if isinstance(m, Attention)]
             for attention, group in zip(attentions, groups, strict=True):
                 attention.kv_group = group
@@ -192,16 +191,11 @@ class ModelRunner:
         bs = self.block_size
         step = dict(query_start_loc=query_start_loc, context_lens=context_lens,
                     seq_lens=seq_lens, block_size=bs)
-        windows = []
-        for g in range(self.window_pages if out.window_block_ids else 0):
-            table = _window_table([groups[g] for groups in out.window_block_ids])
-            windows.append(BatchLayout(block_table=table,
-                                       slot_mapping=_slots(table, token_rows, positions, bs),
-                                       **step))
-        block_table = _block_table(out.block_ids)
-        layout = BatchLayout(block_table=block_table,
-                             slot_mapping=_slots(block_table, token_rows, positions, bs),
-                             windows=tuple(windows), **step)
+        windows = tuple(
+            _layout(_window_table([groups[g] for groups in out.window_block_ids]), token_rows,
+                    positions, step)
+            for g in range(self.window_pages if out.window_block_ids else 0))
+        layout = _layout(_block_table(out.block_ids), token_rows, positions, step, windows)
         return np.array(token_ids, dtype=np.int64), positions, layout, sample_rows
 
     @staticmethod
@@ -394,12 +388,8 @@ class ModelRunner:
                         context_lens=np.array([start], dtype=np.int64),
                         seq_lens=np.array([end], dtype=np.int64), block_size=bs)
             positions = np.arange(start, end, dtype=np.int64)
-            windows = tuple(BatchLayout(block_table=table,
-                                        slot_mapping=_slots(table, 0, positions, bs), **step)
-                            for table in window_tables)
-            layout = BatchLayout(block_table=block_table,
-                                 slot_mapping=_slots(block_table, 0, positions, bs),
-                                 windows=windows, **step)
+            windows = tuple(_layout(table, 0, positions, step) for table in window_tables)
+            layout = _layout(block_table, 0, positions, step, windows)
             scored = min(end, n - 1) - start  # positions whose next token is known
             logits = self._forward(ids[start:end], positions, layout,
                                    np.arange(scored, dtype=np.int64))
@@ -452,29 +442,37 @@ def _window_table(tables: list[list[int]]) -> np.ndarray:
     return table
 
 
-def _slots(table: np.ndarray, rows: np.ndarray | int, positions: np.ndarray,
-           block_size: int) -> np.ndarray:
-    """The KV slot of each position: the block its row's table gives for it,
-    times the block size, plus its offset in the block."""
-    return table[rows, positions // block_size] * block_size + positions % block_size
+def _layout(table: np.ndarray, rows: np.ndarray | int, positions: np.ndarray,
+            step: dict[str, Any], windows: tuple[BatchLayout, ...] = ()) -> BatchLayout:
+    """The step's layout over ``table``: each position's KV slot is the block
+    its row's table gives for it, times the block size, plus its offset in
+    the block."""
+    bs = step["block_size"]
+    return BatchLayout(block_table=table,
+                       slot_mapping=table[rows, positions // bs] * bs + positions % bs,
+                       windows=windows, **step)
 
 
-def _per_layer(in_window: list[bool], allocate: Callable[[int, int], KVCaches],
+def _kv_places(in_window: list[bool]) -> list[tuple[int, int]]:
+    """Where each layer keeps its K/V: (the global layer whose tensors, its
+    group of window layers). Global layer ``i`` in its own (group 0); window
+    layer ``m`` (counting window layers only) in global layer ``m % G``'s, at
+    the pages of group ``m // G`` (``G`` global layers)."""
+    num_global = len(in_window) - sum(in_window)
+    places, num_window = [], 0
+    for w in in_window:
+        if w:
+            places.append((num_window % num_global, num_window // num_global))
+            num_window += 1
+        else:
+            places.append((len(places) - num_window, 0))
+    return places
+
+
+def _per_layer(places: list[tuple[int, int]], allocate: Callable[[int, int], KVCaches],
                num_blocks: int) -> tuple[KVCaches, KVCaches]:
     """Every layer's (K, V), in layer order, and the tensors allocated
-    (``allocate(layers, blocks)``): one (K, V) per global layer, and window
-    layer ``m`` (counting window layers only) on global layer ``m % G``'s
-    (each group of window layers has pages of its own there)."""
-    pages = allocate(len(in_window) - sum(in_window), num_blocks)
-    window_layers = itertools.count()
-    global_layers = iter(pages)
-    return [pages[next(window_layers) % len(pages)] if w else next(global_layers)
-            for w in in_window], pages
-
-
-def _window_groups(in_window: list[bool]) -> list[int]:
-    """Each layer's group of window layers (0 for a global layer): window layer
-    ``m`` is in group ``m // G``, ``G`` the number of global layers."""
-    num_global = len(in_window) - sum(in_window)
-    window_layers = itertools.count()
-    return [next(window_layers) // num_global if w else 0 for w in in_window]
+    (``allocate(layers, blocks)``): one (K, V) per global layer, which the
+    window layers share (``_kv_places``)."""
+    pages = allocate(1 + max(i for i, _ in places), num_blocks)
+    return [pages[i] for i, _ in places], pages
