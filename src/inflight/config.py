@@ -96,9 +96,9 @@ class EngineConfig:
     # tokens do not depend on the rest of the batch (the CPU kernels already are).
     batch_invariant: bool = False
     # A model that interleaves sliding-window layers with global ones (Gemma 2
-    # and 3) keeps the window layers' KV in a pool of its own, holding only
-    # each request's window (``core.window_kv``), where that is smaller than
-    # one pool over every layer; this keeps every layer's KV for every position.
+    # and 3) keeps only each request's window of the window layers' KV, in
+    # pages of the global layers' pool (``core.window_kv``,
+    # ``worker.kv_pools``); this keeps every layer's KV for every position.
     disable_hybrid_kv_cache_manager: bool = False
     # Weight quantization (CPU): "int8" (per output channel, float32 activations),
     # "w8a8" (the same weights times int8 activations, rounded per block of 32,
@@ -121,6 +121,12 @@ class EngineConfig:
     # (unless speculative decoding or static batching is asked for); off on the
     # CPU, where handing each step to a compute thread costs more than it hides.
     async_scheduling: bool | None = None
+    # A stream's tokens go out in runs of this many (its first token at once,
+    # and its end), as vLLM's and SGLang's --stream-interval: fewer, larger
+    # chunks cost the server and its clients less per token where steps are
+    # short. Answers that are not streamed leave the core only when finished
+    # (unless the server must watch their text for stop strings).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         def positive_int(name: str, allow_none: bool = False) -> None:
@@ -154,6 +160,7 @@ class EngineConfig:
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         positive_int("background_step_tokens")
+        positive_int("stream_interval")
         for name in ("priority_aging", "sjf_aging", "background_linger"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:

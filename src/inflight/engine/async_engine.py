@@ -224,7 +224,8 @@ class AsyncEngine(TokenizerOps):
         self.tokenizer: Tokenizer | None = (None if config.skip_tokenizer_init or not
                                             ready.model_dir else
                                             Tokenizer.from_dir(Path(ready.model_dir)))
-        self.input = InputProcessor(self.tokenizer, self.model)
+        self.input = InputProcessor(self.tokenizer, self.model,
+                                    stream_interval=config.stream_interval)
         self.output = OutputProcessor(self.tokenizer)
         if isinstance(self._core, _CoreProcess):
             threading.Thread(target=self._watch, name="inflight-engine-watch",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from inflight.core.beam_search import BeamSearch, BeamSearchParams
 from inflight.core.kv_cache_manager import KVCacheManager
@@ -77,8 +77,21 @@ class _StepSnapshot:
 @dataclass
 class _Sequence:
     request_id: str
+    interval: int = 1            # CoreRequest.output_interval
     sent: int = 0                # output tokens reported so far
     timed: bool = False          # its first timing was reported
+    # Log-probabilities of the tokens gained but not yet reported.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def due(self, num_output_tokens: int, finished: bool) -> bool:
+        """Whether to report now: at the end; else the first tokens at once,
+        then each ``interval`` more (never, with interval 0)."""
+        if finished:
+            return True
+        unsent = num_output_tokens - self.sent
+        if not self.interval or not unsent:
+            return False
+        return not self.sent or unsent >= self.interval
 
 
 class EngineCore:
@@ -161,7 +174,7 @@ class EngineCore:
             self.structured.add(sequences[0])
         self._requests[rid] = _Tracked(ids, live=len(ids))
         for seq_id in ids:
-            self._sequences[seq_id] = _Sequence(rid)
+            self._sequences[seq_id] = _Sequence(rid, request.output_interval)
 
     def _beam_leader(self, request_id: str, leader_id: str, request: CoreRequest,
                      scheduling: tuple) -> Request:
@@ -451,16 +464,22 @@ class EngineCore:
 
     def _outputs(self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]],
                  ended: list[Request]) -> list[SequenceOutput]:
-        """Each sequence's news: the tokens it gained (with their logprobs), and
-        its end."""
+        """Each sequence's news, when due (``_Sequence.due``): the tokens it
+        gained since it was last reported (with their logprobs), and its end."""
         outputs = []
         for seq in [*updated, *ended]:
             state = self._sequences.get(seq.request_id)
             if state is None:  # a beam, or already reported finished
                 continue
+            num_output = seq.num_output_tokens
+            lps = logprobs.get(seq.request_id)
+            if lps is not None:  # this step's, for the tokens not yet held
+                state.logprobs += lps[:max(0, num_output - state.sent - len(state.logprobs))]
+            if not state.due(num_output, seq.is_finished):
+                continue
             new = seq.all_token_ids[seq.num_prompt_tokens + state.sent:]
             state.sent += len(new)
-            lps = logprobs.get(seq.request_id)
+            held, state.logprobs = state.logprobs, []
             timing = None
             if seq.is_finished:
                 timing = self._timing(seq, final=True)
@@ -468,7 +487,7 @@ class EngineCore:
                 timing = self._timing(seq, final=False)
             state.timed = state.timed or timing is not None
             outputs.append(SequenceOutput(
-                seq.request_id, new, lps[:len(new)] if lps is not None else None,
+                seq.request_id, new, held[:len(new)] or None,
                 seq.finish_reason.value if seq.is_finished else None,
                 seq.stop_reason if seq.is_finished else None, timing))
             if seq.is_finished:

@@ -101,7 +101,7 @@ def build_llm_engine(config: EngineConfig, *, model_stub: bool = False,
     source = model_source(config)
     core = build_engine_core(config, model_stub=model_stub, runner=runner, clock=clock,
                              source=source)
-    return LLMEngine(core, source.tokenizer, clock)
+    return LLMEngine(core, source.tokenizer, clock, config.stream_interval)
 
 
 def build_scheduler(config: EngineConfig, runner: Runner, clock: Clock,

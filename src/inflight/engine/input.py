@@ -37,11 +37,25 @@ class PreparedRequest:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, model: ModelInfo,
-                 clock: Clock = time.time) -> None:
+                 clock: Clock = time.time, stream_interval: int = 1) -> None:
+        """``stream_interval``: a stream's tokens come from the core in runs of
+        this many (``EngineConfig.stream_interval``)."""
         self.tokenizer = tokenizer
         self.model = model
         self.clock = clock
+        self.stream_interval = stream_interval
         self._ids = itertools.count()
+
+    def output_interval(self, params: SamplingParams | BeamSearchParams,
+                        kind: OutputKind) -> int:
+        """How often the core is to report a request's tokens
+        (``CoreRequest.output_interval``): a stream's every ``stream_interval``;
+        a final answer's only at its end, unless the front end must watch its
+        text for stop strings (then every token, so that the sequence ends at
+        the one that completes the stop string)."""
+        if kind is OutputKind.DELTA:
+            return self.stream_interval
+        return 1 if isinstance(params, SamplingParams) and params.stop else 0
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Prompt text (if any) and token ids, or ValueError naming the problem."""
@@ -138,4 +152,6 @@ class InputProcessor:
             deadline=None if deadline_ms is None else arrival + deadline_ms / 1000,
             expected_output_tokens=expected_output_tokens, cache_salt=cache_salt,
             background=background)
-        return PreparedRequest(core, text, OutputKind.FINAL if beam else kind)
+        kind = OutputKind.FINAL if beam else kind
+        core.output_interval = self.output_interval(params, kind)
+        return PreparedRequest(core, text, kind)

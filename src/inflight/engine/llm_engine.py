@@ -26,10 +26,10 @@ from inflight.spec_decode.speculator import Speculator
 
 class LLMEngine:
     def __init__(self, core: EngineCore, tokenizer: Tokenizer | None,
-                 clock: Clock = time.time) -> None:
+                 clock: Clock = time.time, stream_interval: int = 1) -> None:
         self.core = core
         self.tokenizer = tokenizer
-        self.input = InputProcessor(tokenizer, core.model, clock)
+        self.input = InputProcessor(tokenizer, core.model, clock, stream_interval)
         self.output = OutputProcessor(tokenizer, clock)
 
     # The core's parts and facts, for the benchmarks and tests that look in.

@@ -44,7 +44,9 @@ class CoreRequest(msgspec.Struct, kw_only=True):
     """A validated, tokenized request. Exactly one of ``sampling`` (``n``
     samples) and ``beam`` (a beam search) is set; ``max_tokens`` is resolved
     against the context; ``deadline`` is absolute (seconds, the clock of
-    ``arrival_time``)."""
+    ``arrival_time``). ``output_interval``: the core reports a sequence's
+    first tokens at once, then every this many tokens, and its end; 0: its
+    end only (for a caller that reads nothing sooner)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -58,6 +60,7 @@ class CoreRequest(msgspec.Struct, kw_only=True):
     expected_output_tokens: int | None = None
     cache_salt: str | None = None
     background: bool = False
+    output_interval: int = 1
 
     @property
     def params(self) -> SamplingParams | BeamSearchParams:
