@@ -5,6 +5,7 @@ routing, serving limits, the command line, and no torch on its path."""
 
 from __future__ import annotations
 
+
 import json
 import math
 import subprocess
@@ -234,6 +235,50 @@ def test_the_simulator_makes_the_real_engines_decisions_on_the_default_model():
     trace = [TraceRequest(0.0, r.prompt_token_ids, r.max_tokens) for r in requests]
     result = Simulator(config, LAW, record_steps=True).run(trace)
     assert result.plans[0] == plans
+
+
+def test_the_simulator_keeps_window_blocks_as_the_engine_does(tiny_model):
+    """A Gemma 3-shaped model (window layers' blocks as pages of the global
+    layers', two a window block): the real engine and the simulator built
+    from its calibration's KV facts make the same steps, preemptions
+    included, and plan the same context limit."""
+    from inflight.bench.throughput import run_engine
+    from inflight.workload.offline import BenchRequest
+    from inflight.engine.factory import build_llm_engine
+
+    engine_config = EngineConfig(str(tiny_model("gemma3")), num_kv_blocks=6, max_num_seqs=4,
+                                 max_num_batched_tokens=16, dtype="float32")
+    engine = build_llm_engine(engine_config)
+    runner = engine.runner
+    assert runner.kv_window is not None and runner.window_pages == 2
+    plans = []
+    real_execute = runner.execute
+
+    def recording_execute(out):
+        plans.append(([r.request_id for r in out.requests], list(out.num_new_tokens),
+                      list(out.preempted_request_ids)))
+        return real_execute(out)
+
+    runner.execute = recording_execute
+    requests = [BenchRequest([(30 + 50 * i + j) % 384 for j in range(12 + 7 * i)], 6 + 5 * (i % 3))
+                for i in range(6)]
+    run_engine(engine, requests, label="real", ignore_eos=True, warmup=False)
+    assert engine.scheduler.stats.num_preemptions > 0
+    layers = runner.model.config.sliding_windows
+    model = LinearCostModel(BASE, dict(LAW.coefficients), context={
+        "num_kv_blocks": runner.num_kv_blocks, "kv_block_bytes": 1024,
+        "max_model_len": engine.max_model_len, "kv_window": runner.kv_window,
+        "window_pages": runner.window_pages, "kv_layers": [len(layers), layers.count(None)]})
+    config = SimConfig.build(replace(engine_config, num_kv_blocks=None), model,
+                             streaming=False)
+    assert (config.kv_window, config.window_pages) == (runner.kv_window, 2)
+    assert config.num_kv_blocks == runner.num_kv_blocks
+    assert config.max_model_len == engine.max_model_len
+    trace = [TraceRequest(0.0, r.prompt_token_ids, r.max_tokens) for r in requests]
+    result = Simulator(config, LAW, record_steps=True).run(trace)
+    assert result.plans[0] == plans
+    # The engine's option counts blocks over every layer there too.
+    assert SimConfig.build(engine_config, model).num_kv_blocks == runner.num_kv_blocks
 
 
 # ------------------------------------------------------------------ cost models

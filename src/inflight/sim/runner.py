@@ -39,6 +39,11 @@ class CostModelRunner:
     num_kv_blocks: int
     num_host_blocks: int
     max_model_len: int
+    # A model with sliding-window layers: their window (its blocks are pages
+    # of the global layers; a window block takes window_pages), as the real
+    # runner's (``worker.kv_pools``). None: one pool over every layer.
+    kv_window: int | None = None
+    window_pages: int = 1
     # Requests come through the server: each step costs the cost model's
     # serving_step_seconds more, and serving_token_seconds per token streamed.
     streaming: bool = False

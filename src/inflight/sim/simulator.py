@@ -30,6 +30,7 @@ from typing import Any
 
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
+from inflight.core.window_kv import window_capacity_tokens
 from inflight.engine.messages import ModelInfo
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.factory import build_scheduler
@@ -60,6 +61,10 @@ class SimConfig:
     num_kv_blocks: int
     max_model_len: int
     num_host_blocks: int = 0
+    # Sliding-window layers' window, and the pages a window block takes
+    # (``CostModelRunner``); the calibration's.
+    kv_window: int | None = None
+    window_pages: int = 1
     # Requests come through the server and stream their tokens (trace and
     # serving scenarios), rather than an offline batch.
     streaming: bool = True
@@ -86,7 +91,8 @@ class SimConfig:
     def build(cls, engine: EngineConfig, cost_model: CostModel, **options: Any) -> SimConfig:
         """KV capacity from the calibration (``LinearCostModel``), or from the
         hardware's memory less the weights (``RooflineCostModel``), unless
-        ``engine.num_kv_blocks`` says otherwise; ``max_model_len`` likewise."""
+        ``engine.num_kv_blocks`` says otherwise (with sliding-window layers:
+        blocks over every layer, as the engine's); ``max_model_len`` likewise."""
         if isinstance(cost_model, LinearCostModel):
             ctx = cost_model.context
             if "num_kv_blocks" not in ctx or "kv_block_bytes" not in ctx:
@@ -94,6 +100,14 @@ class SimConfig:
                                  "kv_block_bytes): calibrate again")
             blocks, block_bytes = ctx["num_kv_blocks"], ctx["kv_block_bytes"]
             model_max = ctx.get("max_model_len", blocks * engine.block_size)
+            window = {"kv_window": ctx.get("kv_window"),
+                      "window_pages": ctx.get("window_pages", 1)}
+            if window["kv_window"] is not None and engine.num_kv_blocks:
+                # Blocks over every layer, as pages (``worker.kv_pools``), less page 0.
+                layers, global_layers = ctx["kv_layers"]
+                blocks = engine.num_kv_blocks * layers // global_layers - 1
+            else:
+                blocks = engine.num_kv_blocks or blocks
         elif isinstance(cost_model, RooflineCostModel):
             shape = cost_model.model
             block_bytes = shape.kv_bytes_per_token * engine.block_size
@@ -104,17 +118,21 @@ class SimConfig:
                                  f"leaves no room for a KV cache on {cost_model.hardware.name}")
             blocks = int(free // block_bytes)
             model_max = shape.max_model_len
+            window = {}
+            blocks = engine.num_kv_blocks or blocks
         else:
             raise ValueError(f"unknown cost model {type(cost_model).__name__}")
-        blocks = engine.num_kv_blocks or blocks
-        capacity = blocks * engine.block_size
+        capacity = (blocks * engine.block_size if window.get("kv_window") is None
+                    else window_capacity_tokens(blocks, engine.block_size, window["kv_window"],
+                                                window["window_pages"],
+                                                engine.max_num_batched_tokens))
         max_model_len = engine.max_model_len or min(model_max, capacity)
         if max_model_len > capacity:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the KV capacity "
                              f"({capacity} tokens)")
         host = engine.swap_space // block_bytes if engine.preemption_mode == "swap" else 0
         return cls(engine, num_kv_blocks=blocks, max_model_len=max_model_len,
-                   num_host_blocks=host, **options)
+                   num_host_blocks=host, **window, **options)
 
 
 @dataclass
@@ -165,7 +183,7 @@ class Replica:
         self.clock = VirtualClock()
         self.runner = CostModelRunner(cost_model, self.clock, config.num_kv_blocks,
                                       config.num_host_blocks, config.max_model_len,
-                                      config.streaming)
+                                      config.kv_window, config.window_pages, config.streaming)
         scheduler = build_scheduler(config.engine, self.runner, self.clock)
         self.engine = LLMEngine(EngineCore(
             scheduler, self.runner, model=ModelInfo("simulated", config.max_model_len, VOCAB_SIZE),

@@ -15,7 +15,7 @@ import torch
 
 from inflight.config import EngineConfig
 from inflight.core.kv_cache_manager import cdiv
-from inflight.core.window_kv import window_blocks_needed
+from inflight.core.window_kv import window_capacity_tokens
 from inflight.model.config import ModelConfig
 
 
@@ -28,12 +28,10 @@ class KVPools:
     def capacity_tokens(self, config: EngineConfig) -> int:
         """The longest context one request can have alone (with a window: its
         global blocks and at most as many window blocks, or a window)."""
-        bs = config.block_size
         if self.window is None:
-            return self.num_blocks * bs
-        k = self.window_pages
-        window = window_blocks_needed(self.window, bs, 1, config.max_num_batched_tokens)
-        return max(self.num_blocks - k * window, self.num_blocks // (k + 1)) * bs
+            return self.num_blocks * config.block_size
+        return window_capacity_tokens(self.num_blocks, config.block_size, self.window,
+                                      self.window_pages, config.max_num_batched_tokens)
 
 
 def kv_window(config: EngineConfig, model_config: ModelConfig,
