@@ -69,6 +69,8 @@ def test_reports_come_first_then_in_runs_then_at_the_end(tiny_model, interval):
         "final": (sampled, OutputKind.FINAL),
         "stop-watched": (SamplingParams(max_tokens=8, ignore_eos=True, stop=["\x00never"]),
                          OutputKind.FINAL),
+        "stream-stop-watched": (SamplingParams(max_tokens=7, ignore_eos=True, stop=["\x00no"]),
+                                OutputKind.DELTA),
     }
     results = {}
     for k in (1, interval):
@@ -84,7 +86,7 @@ def test_reports_come_first_then_in_runs_then_at_the_end(tiny_model, interval):
         assert results[1][1][seq_id] == [1] * total
     # Not streamed: once, at the end, unless stop strings are watched.
     assert reports["final"] == [11] and results[1][1]["final"] == [11]
-    assert reports["stop-watched"] == [1] * 8
+    assert reports["stop-watched"] == [1] * 8 and reports["stream-stop-watched"] == [1] * 7
     # The callers get the same answers.
     for rid in requests:
         for index in range(2 if rid == "samples" else 1):
@@ -105,7 +107,7 @@ def test_any_interval_gives_the_same_answers(tiny_model, interval, budget, num_b
     strings watched or not, streamed or not: a sequence is reported at once,
     then in runs of the interval (not streamed: at its end, or every token
     while stop strings are watched), and every caller gets what interval 1
-    gives."""
+    gives (every token where stop strings are watched)."""
     def run(k):
         runner = FakeRunner(num_kv_blocks=num_blocks, max_model_len=32)
         runner.num_host_blocks = 16 if mode == "swap" else 0
@@ -124,10 +126,39 @@ def test_any_interval_gives_the_same_answers(tiny_model, interval, budget, num_b
             assert joined(deltas[rid], index) == joined(base[0][rid], index)
             counts = reports[rid if n == 1 else f"{rid}#{index}"]
             assert sum(counts) == max_tokens
-            if kind is OutputKind.FINAL:
-                assert counts == ([1] * max_tokens if stop else [max_tokens])
+            if stop:
+                assert counts == [1] * max_tokens
+            elif kind is OutputKind.FINAL:
+                assert counts == [max_tokens]
             else:
                 assert counts[0] == 1 and all(c == interval for c in counts[1:-1])
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_a_stop_string_met_by_the_last_token_counts_once(tiny_model, interval):
+    """The core ends the sequence by length at the token that also completes a
+    stop string: the step counts it finished once, with reason stop."""
+    config = EngineConfig(str(tiny_model("llama-gqa")), dtype="float32", stream_interval=interval)
+    engine = build_llm_engine(config)
+    params = SamplingParams(max_tokens=9, ignore_eos=True, temperature=0)
+    engine.add_request(PROMPT, params, request_id="probe")
+    text = run_recording(engine, {})[0]["probe"][-1].outputs[0].text
+    stop = next(text[-k:] for k in range(1, len(text) + 1)
+                if text.find(text[-k:]) == len(text) - k)
+    finished = []
+    step = engine.step
+
+    def counting_step():
+        outputs = step()
+        finished.extend(zip(engine.core.last_step.finished_ids, engine.core.last_step.finished))
+        return outputs
+
+    engine.step = counting_step
+    params.stop = [stop]
+    out = run_recording(engine, {"r": (params, OutputKind.DELTA)})[0]["r"]
+    assert joined(out)[3] == "stop" and "".join(c.text for o in out for c in o.outputs) == text[
+        :-len(stop)]
+    assert [(rid, entry[0], entry[3]) for rid, entry in finished] == [("r", "stop", 9)]
 
 
 def test_the_interval_must_be_positive():

@@ -124,8 +124,8 @@ class EngineConfig:
     # A stream's tokens go out in runs of this many (its first token at once,
     # and its end), as vLLM's and SGLang's --stream-interval: fewer, larger
     # chunks cost the server and its clients less per token where steps are
-    # short. Answers that are not streamed leave the core only when finished
-    # (unless the server must watch their text for stop strings).
+    # short. Answers that are not streamed leave the core only when finished.
+    # Requests with stop strings leave it every token (their text is watched).
     stream_interval: int = 1
 
     def __post_init__(self) -> None:

@@ -49,13 +49,13 @@ class InputProcessor:
     def output_interval(self, params: SamplingParams | BeamSearchParams,
                         kind: OutputKind) -> int:
         """How often the core is to report a request's tokens
-        (``CoreRequest.output_interval``): a stream's every ``stream_interval``;
-        a final answer's only at its end, unless the front end must watch its
-        text for stop strings (then every token, so that the sequence ends at
-        the one that completes the stop string)."""
-        if kind is OutputKind.DELTA:
-            return self.stream_interval
-        return 1 if isinstance(params, SamplingParams) and params.stop else 0
+        (``CoreRequest.output_interval``): every token where the front end
+        watches the text for stop strings (so that the sequence ends at the
+        token that completes one, and computes nothing past it); else a
+        stream's every ``stream_interval``, a final answer's only at its end."""
+        if isinstance(params, SamplingParams) and params.stop:
+            return 1
+        return self.stream_interval if kind is OutputKind.DELTA else 0
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Prompt text (if any) and token ids, or ValueError naming the problem."""

@@ -31,6 +31,7 @@ from inflight.core.request import FinishReason
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.messages import (BeamOutput, CoreOutputs, CoreRequest, SequenceOutput,
                                       SequenceTiming)
+from inflight.engine.step_stats import StepStats
 from inflight.model.tokenizer import Tokenizer
 from inflight.worker.runner import TokenLogprobs
 
@@ -311,11 +312,7 @@ class OutputProcessor:
             if stop is not None:
                 done.stops.append((sample.sequence_id, stop))
                 if step.stats is not None:
-                    step.stats.finished.append((FinishReason.STOP.value,
-                                                sample.finished_time - group.arrival_time,
-                                                len(group.prompt_token_ids),
-                                                len(sample.token_ids)))
-                    step.stats.finished_ids.append(sample.sequence_id)
+                    self._note_stop(step.stats, group, sample)
         if step.stats is not None:  # failed here: the core will only hear of an abort
             now = self.clock()
             for rid in dict.fromkeys(done.failed):
@@ -344,6 +341,19 @@ class OutputProcessor:
                 if finished:
                     self.remove(group.request_id)
         return done
+
+    @staticmethod
+    def _note_stop(stats: StepStats, group: _Group, sample: _Sample) -> None:
+        """Count a sequence that met a stop string here as finished with reason
+        stop, in place of the core's end of it in the same step (the tokens
+        that completed the stop string were also its last: length, EOS)."""
+        entry = (FinishReason.STOP.value, sample.finished_time - group.arrival_time,
+                 len(group.prompt_token_ids), len(sample.token_ids))
+        if sample.sequence_id in stats.finished_ids:
+            stats.finished[stats.finished_ids.index(sample.sequence_id)] = entry
+        else:
+            stats.finished.append(entry)
+            stats.finished_ids.append(sample.sequence_id)
 
     def _take(self, sample: _Sample, update: SequenceOutput) -> str | None:
         """Take in a sequence's new tokens (detokenized one by one where text or
