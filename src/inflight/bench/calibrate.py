@@ -215,14 +215,14 @@ def calibrate(config: EngineConfig, quick: bool = False, with_serving: bool = Tr
     # (With a window, the runner's blocks are pages of the global layers.)
     kv_bytes = block_bytes(runner.model.config, config.block_size, runner.dtype,
                            runner.kv_window)
-    layers = runner.model.config.sliding_windows
+    windows = runner.model.config.sliding_windows  # per layer (None: global)
     model = LinearCostModel.fit(
         samples,
         date=datetime.date.today().isoformat(), machine=platform.processor() or platform.machine(),
         model=engine.model.name, num_kv_blocks=runner.num_kv_blocks,
         num_host_blocks=runner.num_host_blocks, max_model_len=engine.max_model_len,
         kv_block_bytes=kv_bytes, kv_window=runner.kv_window, window_pages=runner.window_pages,
-        kv_layers=[len(layers), layers.count(None)], sweep_seconds=time.perf_counter() - start,
+        kv_layers=[len(windows), windows.count(None)], sweep_seconds=time.perf_counter() - start,
         engine={k: v for k, v in asdict(config).items() if isinstance(v, (int, float, str, bool))
                 or v is None})
     model.swap_block_seconds = kv_bytes / copy_bandwidth()

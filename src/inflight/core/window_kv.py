@@ -69,14 +69,17 @@ def window_blocks_needed(window: int, block_size: int, num_seqs: int, step_token
     return num_seqs * (cdiv(window, block_size) + 2) + cdiv(step_tokens, block_size)
 
 
-def window_capacity_tokens(num_pages: int, block_size: int, window: int, window_pages: int,
-                           step_tokens: int) -> int:
-    """The longest context one request can have alone in ``num_pages`` pages
-    (besides page 0): its global blocks and at most as many window blocks of
-    ``window_pages`` pages, or a window's."""
+def kv_capacity_tokens(num_blocks: int, block_size: int, window: int | None,
+                       window_pages: int, step_tokens: int) -> int:
+    """The longest context one request can have alone in ``num_blocks``
+    blocks over every layer (``window`` None), or pages besides page 0: its
+    global blocks and at most as many window blocks of ``window_pages``
+    pages, or a window's."""
+    if window is None:
+        return num_blocks * block_size
     window_blocks = window_blocks_needed(window, block_size, 1, step_tokens)
-    return max(num_pages - window_pages * window_blocks,
-               num_pages // (window_pages + 1)) * block_size
+    return max(num_blocks - window_pages * window_blocks,
+               num_blocks // (window_pages + 1)) * block_size
 
 
 class WindowedKVCacheManager(KVCacheManager):

@@ -145,13 +145,12 @@ class InputProcessor:
         if not isinstance(background, bool):
             raise ValueError(f"background must be true or false, got {background!r}")
         arrival = self.clock() if arrival_time is None else arrival_time
+        kind = OutputKind.FINAL if beam else kind
         core = CoreRequest(
             request_id=request_id, prompt_token_ids=ids,
             sampling=None if beam else params, beam=params if beam else None,
             max_tokens=max_tokens, arrival_time=arrival, priority=priority, tenant=tenant,
             deadline=None if deadline_ms is None else arrival + deadline_ms / 1000,
             expected_output_tokens=expected_output_tokens, cache_salt=cache_salt,
-            background=background)
-        kind = OutputKind.FINAL if beam else kind
-        core.output_interval = self.output_interval(params, kind)
+            background=background, output_interval=self.output_interval(params, kind))
         return PreparedRequest(core, text, kind)

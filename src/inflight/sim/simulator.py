@@ -30,7 +30,7 @@ from typing import Any
 
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
-from inflight.core.window_kv import window_capacity_tokens
+from inflight.core.window_kv import kv_capacity_tokens
 from inflight.engine.messages import ModelInfo
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.factory import build_scheduler
@@ -100,14 +100,7 @@ class SimConfig:
                                  "kv_block_bytes): calibrate again")
             blocks, block_bytes = ctx["num_kv_blocks"], ctx["kv_block_bytes"]
             model_max = ctx.get("max_model_len", blocks * engine.block_size)
-            window = {"kv_window": ctx.get("kv_window"),
-                      "window_pages": ctx.get("window_pages", 1)}
-            if window["kv_window"] is not None and engine.num_kv_blocks:
-                # Blocks over every layer, as pages (``worker.kv_pools``), less page 0.
-                layers, global_layers = ctx["kv_layers"]
-                blocks = engine.num_kv_blocks * layers // global_layers - 1
-            else:
-                blocks = engine.num_kv_blocks or blocks
+            kv_window, window_pages = ctx.get("kv_window"), ctx.get("window_pages", 1)
         elif isinstance(cost_model, RooflineCostModel):
             shape = cost_model.model
             block_bytes = shape.kv_bytes_per_token * engine.block_size
@@ -118,21 +111,26 @@ class SimConfig:
                                  f"leaves no room for a KV cache on {cost_model.hardware.name}")
             blocks = int(free // block_bytes)
             model_max = shape.max_model_len
-            window = {}
-            blocks = engine.num_kv_blocks or blocks
+            kv_window, window_pages = None, 1
         else:
             raise ValueError(f"unknown cost model {type(cost_model).__name__}")
-        capacity = (blocks * engine.block_size if window.get("kv_window") is None
-                    else window_capacity_tokens(blocks, engine.block_size, window["kv_window"],
-                                                window["window_pages"],
-                                                engine.max_num_batched_tokens))
+        if engine.num_kv_blocks and kv_window is None:
+            blocks = engine.num_kv_blocks
+        elif engine.num_kv_blocks:
+            # (A calibration's window.) Blocks over every layer as pages, less
+            # page 0, as worker.kv_pools plans them.
+            layers, global_layers = ctx["kv_layers"]
+            blocks = engine.num_kv_blocks * layers // global_layers - 1
+        capacity = kv_capacity_tokens(blocks, engine.block_size, kv_window, window_pages,
+                                      engine.max_num_batched_tokens)
         max_model_len = engine.max_model_len or min(model_max, capacity)
         if max_model_len > capacity:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the KV capacity "
                              f"({capacity} tokens)")
         host = engine.swap_space // block_bytes if engine.preemption_mode == "swap" else 0
         return cls(engine, num_kv_blocks=blocks, max_model_len=max_model_len,
-                   num_host_blocks=host, **window, **options)
+                   num_host_blocks=host, kv_window=kv_window, window_pages=window_pages,
+                   **options)
 
 
 @dataclass

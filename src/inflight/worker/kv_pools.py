@@ -15,7 +15,7 @@ import torch
 
 from inflight.config import EngineConfig
 from inflight.core.kv_cache_manager import cdiv
-from inflight.core.window_kv import window_capacity_tokens
+from inflight.core.window_kv import kv_capacity_tokens
 from inflight.model.config import ModelConfig
 
 
@@ -28,10 +28,8 @@ class KVPools:
     def capacity_tokens(self, config: EngineConfig) -> int:
         """The longest context one request can have alone (with a window: its
         global blocks and at most as many window blocks, or a window)."""
-        if self.window is None:
-            return self.num_blocks * config.block_size
-        return window_capacity_tokens(self.num_blocks, config.block_size, self.window,
-                                      self.window_pages, config.max_num_batched_tokens)
+        return kv_capacity_tokens(self.num_blocks, config.block_size, self.window,
+                                  self.window_pages, config.max_num_batched_tokens)
 
 
 def kv_window(config: EngineConfig, model_config: ModelConfig,
