@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inflight.config import EngineConfig
+from inflight.core.policy import POLICIES
 from inflight.core.sampling_params import SamplingParams
 from inflight.engine.factory import build_llm_engine
 from inflight.engine.output import OutputKind
@@ -59,8 +60,8 @@ def joined(outputs, index=0):
             parts[-1].finish_reason)
 
 
-@pytest.mark.parametrize("interval", [2, 3])
-def test_reports_come_first_then_in_runs_then_at_the_end(tiny_model, interval):
+@pytest.mark.parametrize("interval, async_scheduling", [(2, False), (3, False), (3, True)])
+def test_reports_come_first_then_in_runs_then_at_the_end(tiny_model, interval, async_scheduling):
     sampled = SamplingParams(max_tokens=11, ignore_eos=True, temperature=0.9, seed=4, logprobs=2)
     requests = {
         "stream": (sampled, OutputKind.DELTA),
@@ -75,7 +76,7 @@ def test_reports_come_first_then_in_runs_then_at_the_end(tiny_model, interval):
     results = {}
     for k in (1, interval):
         config = EngineConfig(str(tiny_model("llama-gqa")), dtype="float32", block_size=4,
-                              stream_interval=k)
+                              stream_interval=k, async_scheduling=async_scheduling)
         results[k] = run_recording(build_llm_engine(config), requests)
     deltas, reports = results[interval]
     for seq_id, total in (("stream", 11), ("samples#0", 9), ("samples#1", 9)):
@@ -98,12 +99,14 @@ def test_reports_come_first_then_in_runs_then_at_the_end(tiny_model, interval):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(interval=st.integers(1, 5), budget=st.sampled_from([4, 8, 64]),
        num_blocks=st.sampled_from([12, 64]), mode=st.sampled_from(["recompute", "swap"]),
+       policy=st.sampled_from(POLICIES),
        requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 3),
                                    st.sampled_from(list(OutputKind)), st.booleans()),
                          min_size=1, max_size=6))
 def test_any_interval_gives_the_same_answers(tiny_model, interval, budget, num_blocks, mode,
-                                             requests):
-    """Under chunked prompts and preemption (both modes), with samples, stop
+                                             policy, requests):
+    """Under every scheduling policy, chunked prompts and preemption (both
+    modes), with samples, stop
     strings watched or not, streamed or not: a sequence is reported at once,
     then in runs of the interval (not streamed: at its end, or every token
     while stop strings are watched), and every caller gets what interval 1
@@ -112,7 +115,8 @@ def test_any_interval_gives_the_same_answers(tiny_model, interval, budget, num_b
         runner = FakeRunner(num_kv_blocks=num_blocks, max_model_len=32)
         runner.num_host_blocks = 16 if mode == "swap" else 0
         config = EngineConfig(str(tiny_model("llama-gqa")), block_size=4, stream_interval=k,
-                              max_num_batched_tokens=budget, preemption_mode=mode)
+                              max_num_batched_tokens=budget, preemption_mode=mode,
+                              scheduling_policy=policy)
         engine = build_llm_engine(config, runner=runner)
         runner.worker = FakeWorker(engine.kv_cache)
         return run_recording(engine, {
