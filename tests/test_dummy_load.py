@@ -72,6 +72,8 @@ def test_named_shapes_take_the_default_tokenizer_and_need_dummy():
         assert config.vocab_size == default["vocab_size"]
         assert (directory / "tokenizer.json").exists()
         assert config.architecture == shape["architectures"][0]
+        if "sliding_window_pattern" in shape:  # Gemma 3: every sixth layer global
+            assert config.sliding_windows[:6] == [1024] * 5 + [None]
 
 
 def test_a_cached_named_shape_needs_no_default_model(monkeypatch):

@@ -1,14 +1,17 @@
 """The mixture-of-experts layer's GPU paths: the stacked experts (grouped matrix
 products, or every expert on every token where there is no grouped product)
 give the per-expert rows' result, on the CPU in float32 and, where a GPU is
-lent, on it in float32 and bf16."""
+lent, on it in float32 and bf16; also where the experts' Linears were handed
+to ops whose packed weight is the plain one (the GPU's TritonOps)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import inflight.model.moe as moe_module
+from inflight.model.layers import pack_linear_weights
 from inflight.model.moe import MoeConfig, SparseMoe, grouped_mm_supported
 from inflight.ops.torch_ops import TorchOps
 
@@ -21,9 +24,23 @@ CASES = [pytest.param("cpu", torch.float32, id="cpu-float32")] + [
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
+class PlainPackedOps(TorchOps):
+    """Runs linear layers itself from their plain [N, K] weight."""
+
+    packs_weights = True
+
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.contiguous()
+
+    def linear(self, x, packed, bias, out_features):
+        return F.linear(x, packed, bias)
+
+
 @pytest.mark.parametrize("device, dtype", CASES)
 @pytest.mark.parametrize("path", ["grouped", "every-expert"])
-def test_stacked_experts_give_the_per_expert_rows_result(path, device, dtype, monkeypatch):
+@pytest.mark.parametrize("packed", [False, True])
+def test_stacked_experts_give_the_per_expert_rows_result(path, device, dtype, packed,
+                                                         monkeypatch):
     torch.manual_seed(0)
     config = MoeConfig(num_experts=8, top_k=2, expert_intermediate_size=16,
                        norm_topk_prob=True, shared_intermediate_size=16)
@@ -31,6 +48,8 @@ def test_stacked_experts_give_the_per_expert_rows_result(path, device, dtype, mo
     with torch.no_grad():
         for param in moe.parameters():
             param.uniform_(-0.3, 0.3)
+    if packed:
+        pack_linear_weights(moe, PlainPackedOps())
     x = torch.randn(40, 32, dtype=dtype, device=device)
     experts, weights = moe.route(x)
     expected = moe._forward_grouped_rows(x, experts, weights)
@@ -42,8 +61,10 @@ def test_stacked_experts_give_the_per_expert_rows_result(path, device, dtype, mo
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
     gate_up, down = moe._stacked
-    assert moe.experts[3].gate_up_proj.weight.data_ptr() == gate_up[3].data_ptr()
-    assert moe.experts[5].down_proj.weight.data_ptr() == down[5].data_ptr()
+    # Each expert's Linear reads a view of the stacks: no second copy.
+    read = (lambda linear: linear.packed) if packed else (lambda linear: linear.weight)
+    assert read(moe.experts[3].gate_up_proj).data_ptr() == gate_up[3].data_ptr()
+    assert read(moe.experts[5].down_proj).data_ptr() == down[5].data_ptr()
 
 
 def test_grouped_product_needs_aligned_rows():

@@ -16,7 +16,9 @@ pytest.importorskip("triton")
 
 from inflight.attention.triton_paged import TritonPagedBackend  # noqa: E402
 from inflight.ops.torch_ops import TorchOps  # noqa: E402
+from inflight.ops.triton_gemv import GemvConfig, gemv  # noqa: E402
 from inflight.ops.triton_matmul import matmul  # noqa: E402
+import inflight.ops.triton_ops as triton_ops  # noqa: E402
 from inflight.ops.triton_ops import TritonOps  # noqa: E402
 from test_triton_attention import DEVICE, make_layout  # noqa: E402
 
@@ -61,6 +63,32 @@ def test_matmul_matches_torch(dtype):
     got = matmul(x, w, bias).double()
     scale = expected.abs().max().item()
     assert (got - expected).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-3) * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n, k, config", [(90, 100, None), (300, 2048, None),
+                                          (64, 768, GemvConfig(4, 256, 4)),
+                                          (33, 96, GemvConfig(16, 64, 2))])
+def test_one_row_runs_through_the_gemv_kernel(dtype, n, k, config, monkeypatch):
+    """A single half-precision row: the GEMV kernel (tiles by rule, or given;
+    K a multiple of the tile or not, N not a multiple of its tile) within the
+    output's rounding of the exact product; TritonOps' linear takes it for one
+    row only, and cuBLAS for more rows or float32."""
+    torch.manual_seed(3)
+    x = torch.randn(1, k, device=DEVICE, dtype=dtype)
+    w = torch.randn(n, k, device=DEVICE, dtype=dtype)
+    bias = torch.randn(n, device=DEVICE, dtype=dtype)
+    expected = x.double() @ w.double().T + bias.double()
+    got = gemv(x, w, bias, config).double()
+    assert (got - expected).abs().max().item() <= 2 ** -7 * expected.abs().max().item()
+    ops, calls = TritonOps(), []
+    monkeypatch.setattr(triton_ops, "gemv", lambda *args: calls.append(args) or gemv(*args))
+    assert torch.equal(ops.linear(x, ops.pack_weight(w), bias, n), gemv(x, w, bias))
+    ops.linear(torch.cat([x, x]), w, bias, n)
+    ops.linear(x.float(), w.float(), None, n)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="one row"):
+        gemv(torch.cat([x, x]), w)
 
 
 def test_matmul_rows_do_not_depend_on_the_batch():
@@ -131,3 +159,23 @@ def test_attention_rows_do_not_depend_on_the_batch():
     # after the rest of the prompt was written.
     last_alone, _ = attend([2500], [1], first_query=8, kv=written)
     assert torch.equal(alone[-1:], last_alone)
+
+
+def test_triton_ops_run_linears_from_their_own_weights():
+    """TritonOps' packed weight is the plain weight (no copy): a tied output
+    layer keeps reading the embedding table, and the model's weights are
+    counted once."""
+    from torch import nn
+
+    from inflight.model.layers import Embedding, Linear, pack_linear_weights
+    from inflight.model.quantize import weight_bytes
+
+    model = nn.Module()
+    model.embed, model.proj = Embedding(50, 8, torch.float16), Linear(8, 6, True, torch.float16)
+    model.head = Linear(8, 50, False, torch.float16)
+    model.head.weight = model.embed.weight
+    table, proj = model.embed.weight.data, model.proj.weight.data
+    pack_linear_weights(model, TritonOps())
+    assert model.head.packed.data_ptr() == table.data_ptr()
+    assert model.proj.packed.data_ptr() == proj.data_ptr() and model.proj.weight.numel() == 0
+    assert weight_bytes(model) == (50 * 8 + 6 * 8 + 6) * 2

@@ -351,6 +351,44 @@ def test_other_kernels_and_decode_graphs_read_the_window_pool(tiny_model, backen
     _assert_no_leak(hybrid)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_on_a_gpu_the_window_pages_give_one_pools_tokens(tiny_model, name):
+    """On CUDA in bf16 (Triton kernels, decode steps replayed from CUDA graphs
+    whose buffers hold both block tables): with the same schedule the pages
+    give one pool's tokens bit for bit on the default kernels; and under
+    batch-invariant kernels (so that the batches preemption makes change no
+    row) a tight paged engine (chunks of 16, prefix caching, both preemption
+    modes) gives each request the tokens one pool gives it alone. Every page
+    comes back."""
+    path = str(tiny_model(name))
+    prompts = _prompts()
+    options = dict(device="cuda", dtype="bfloat16", max_model_len=128,
+                   max_num_batched_tokens=16)
+    roomy = {hybrid: LLM(path, kv_cache_memory="8MiB", max_num_seqs=8,
+                         disable_hybrid_kv_cache_manager=not hybrid, **options)
+             for hybrid in (False, True)}
+    assert isinstance(roomy[True].engine.kv_cache, WindowedKVCacheManager)
+    assert roomy[True].engine.runner.graphs is not None
+    assert _tokens(roomy[True], prompts) == _tokens(roomy[False], prompts)
+    _assert_no_leak(roomy[True])
+    del roomy
+
+    one_pool = LLM(path, kv_cache_memory="8MiB", disable_hybrid_kv_cache_manager=True,
+                   batch_invariant=True, **options)
+    alone = [_tokens(one_pool, [p])[0] for p in prompts]
+    for mode in ("recompute", "swap"):
+        tight = LLM(path, num_kv_blocks=TIGHT_BLOCKS[name], max_num_seqs=2,
+                    enable_prefix_caching=True, preemption_mode=mode, swap_space="4MiB",
+                    batch_invariant=True, **options)
+        assert tight.engine.kv_cache.window_pages == WINDOW_PAGES[name]
+        assert _tokens(tight, prompts) == alone, f"{mode}, cold"
+        assert _tokens(tight, prompts) == alone, f"{mode}, cached"
+        _assert_no_leak(tight)
+        assert tight.engine.scheduler.stats.num_preemptions > 0
+
+
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_pages_never_hold_a_shorter_context_than_one_pool(tiny_model, name):
     """Little KV memory against a large step budget: a request's window

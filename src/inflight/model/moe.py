@@ -122,11 +122,18 @@ class SparseMoe(nn.Module):
             stacked = []
             for name in ("gate_up_proj", "down_proj"):
                 linears = [getattr(expert, name) for expert in self.experts]
-                if any(linear.packed is not None or linear.bias is not None for linear in linears):
+                plain = [linear.weight.data if linear.packed is None else linear.packed
+                         for linear in linears]
+                if any(linear.bias is not None or not isinstance(w, torch.Tensor)
+                       or w.shape != (linear.out_features, linear.in_features)
+                       for linear, w in zip(linears, plain)):
                     raise ValueError("the stacked experts need plain, bias-free weights")
-                weight = torch.stack([linear.weight.data for linear in linears])
+                weight = torch.stack(plain)
                 for index, linear in enumerate(linears):
-                    linear.weight.data = weight[index]
+                    if linear.packed is None:
+                        linear.weight.data = weight[index]
+                    else:  # ops that run the plain [N, K] weight as their packed one
+                        linear.move_packed(weight[index])
                 stacked.append(weight)
             self._stacked = (stacked[0], stacked[1])
         return self._stacked

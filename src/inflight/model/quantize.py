@@ -157,17 +157,26 @@ def _share(model: nn.Module, weight: nn.Parameter, ops: QuantOps,
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights occupy as stored: parameters, buffers (rotary
-    tables) and packed or quantized matrices, each counted once."""
-    seen: set[int] = set()
+    tables) and packed or quantized matrices, each counted once (a packed
+    matrix may be the very memory of a parameter: a tied embedding's)."""
+    seen: set[int | tuple[int, int]] = set()
     total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
+
+    def count(tensor: torch.Tensor) -> None:
+        nonlocal total
+        key = (tensor.data_ptr(), tensor.numel()) if tensor.numel() else id(tensor)
+        if key not in seen:
+            seen.add(key)
             total += tensor.numel() * tensor.element_size()
+
+    for tensor in [*model.parameters(), *model.buffers()]:
+        count(tensor)
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        if packed is not None and id(packed) not in seen:
-            seen.add(id(packed))
-            total += (packed.nbytes if isinstance(packed, QuantizedWeight)
-                      else packed.numel() * packed.element_size())
+        if isinstance(packed, QuantizedWeight):
+            if id(packed) not in seen:
+                seen.add(id(packed))
+                total += packed.nbytes
+        elif packed is not None:
+            count(packed)
     return total

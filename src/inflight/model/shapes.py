@@ -20,6 +20,13 @@ _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_th
 _QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rope_theta": 1000000.0,
           "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "hidden_act": "silu",
           "attention_bias": False}
+# Gemma 3's text models: five sliding-window layers (window 1,024) to each global one.
+_GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+           "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": 131072, "hidden_activation": "gelu_pytorch_tanh",
+           "sliding_window": 1024, "sliding_window_pattern": 6, "head_dim": 256,
+           "query_pre_attn_scalar": 256, "final_logit_softcapping": None,
+           "attn_logit_softcapping": None, "tie_word_embeddings": True}
 NAMED_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": _LLAMA | {"hidden_size": 2048, "intermediate_size": 8192,
                               "num_hidden_layers": 16, "num_attention_heads": 32,
@@ -46,6 +53,12 @@ NAMED_SHAPES: dict[str, dict[str, Any]] = {
                                "mlp_only_layers": [], "num_hidden_layers": 48,
                                "num_attention_heads": 32, "num_key_value_heads": 4,
                                "head_dim": 128, "tie_word_embeddings": False},
+    "gemma-3-4b": _GEMMA3 | {"hidden_size": 2560, "intermediate_size": 10240,
+                             "num_hidden_layers": 34, "num_attention_heads": 8,
+                             "num_key_value_heads": 4},
+    "gemma-3-12b": _GEMMA3 | {"hidden_size": 3840, "intermediate_size": 15360,
+                              "num_hidden_layers": 48, "num_attention_heads": 16,
+                              "num_key_value_heads": 8},
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                     "special_tokens_map.json", "chat_template.jinja")

@@ -1,7 +1,8 @@
 """Fused layer ops as Triton kernels for the GPU (and Triton's interpreter on
 the CPU): residual add + RMSNorm, rotary embedding in place, SiLU * up. Each
 kernel handles one token row per program, so a row's result never depends on
-the other rows of the batch.
+the other rows of the batch. Linear layers run through cuBLAS, but a single
+row in half precision (a batch-1 decode step) through ``triton_gemv``.
 
 Arithmetic is float32 inside a kernel and rounds where Hugging Face's models
 round: the residual sum is stored in the model's dtype and normalized as
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from inflight.ops.torch_ops import TorchOps
+from inflight.ops.triton_gemv import gemv
 from inflight.ops.triton_matmul import matmul
 
 
@@ -74,7 +76,22 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.conste
 
 class TritonOps(TorchOps):
     """TorchOps' operations as Triton kernels; inputs are ``[T, width]`` with
-    contiguous rows."""
+    contiguous rows. A linear layer's packed weight is its plain ``[N, K]``
+    weight (no copy)."""
+
+    packs_weights = True
+    # One row in float16 or bfloat16 through the GEMV kernel (False: cuBLAS).
+    single_row_gemv = True
+
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.contiguous()
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int) -> torch.Tensor:
+        if (self.single_row_gemv and x.dim() == 2 and x.shape[0] == 1
+                and packed.dtype in (torch.float16, torch.bfloat16)):
+            return gemv(x, packed, bias)
+        return torch.nn.functional.linear(x, packed, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty_like(x)
@@ -131,11 +148,6 @@ class BatchInvariantOps(TritonOps):
     """TritonOps plus every linear layer through one fixed-tiling Triton matrix
     product, so that no result depends on how many rows the batch has (cuBLAS
     picks its algorithm, split-K included, by shape)."""
-
-    packs_weights = True
-
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight.contiguous()
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                out_features: int) -> torch.Tensor:
