@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from helpers import FAMILY_MODELS, hf_greedy, load_hf, random_prompts
+from helpers import FAMILY_MODELS, hf_greedy, load_hf, make_tiny_model, random_prompts
 
 from inflight import LLM, SamplingParams
 from inflight.cli import main
@@ -67,6 +67,30 @@ def test_family_matches_transformers(tiny_model, name):
     batch = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.stats.num_chunked_steps > 0
     assert [o.outputs[0].token_ids for o in batch] == expected
+
+
+@pytest.mark.parametrize("name, rotated", [("phi3", 16), ("phi4-mini", 12)])
+def test_longrope_past_the_pretraining_length_uses_the_long_factors(tmp_path, name, rotated):
+    """Served past its pretraining length (64 here), LongRoPE divides the
+    frequencies by the long factors, as transformers does for a sequence that
+    long: prompts of 70-110 tokens give transformers' greedy tokens, Phi-3's
+    whole heads and Phi-4-mini's 3/4 of each head rotated alike."""
+    half = rotated // 2
+    overrides = {"original_max_position_embeddings": 64, "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0 + i / 4 for i in range(half)],
+        "long_factor": [2.0 + i for i in range(half)]}}
+    path = make_tiny_model(tmp_path, name, overrides=overrides)
+    prompts = random_prompts(4, vocab=384, min_len=70, max_len=110, seed=4)
+    hf = load_hf(path, torch.float64)
+    with _one_thread():
+        expected = [hf_greedy(hf, p, 12) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=512)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    short = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", max_model_len=64)
+    assert short.engine.runner.model.layers[0].self_attn.rotary.cos[:, :half].ne(
+        llm.engine.runner.model.layers[0].self_attn.rotary.cos[:64, :half]).any()
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "gemma3"])
@@ -145,6 +169,7 @@ def test_family_in_bfloat16_on_the_gpu_is_as_faithful_as_transformers(tiny_model
     hf_bf16 = load_hf(path, torch.bfloat16).to("cuda")
     llm = LLM(str(path), dtype="bfloat16", kv_cache_memory="64MiB", max_num_batched_tokens=24,
               max_num_seqs=16, **LLM_OPTIONS.get(name, {}))
+    assert llm.engine.runner.graphs is not None  # decode steps replay CUDA graphs
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     alone = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
              for p in prompts[:4]]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from inflight.model.multimodal_text import TEXT_MODELS, text_model_config
+
 # Supported architectures (model.registry maps each to its class), with the
 # config.json keys that switch their biases on (or the fixed setting) and
 # whether embeddings are tied where config.json does not say.
@@ -24,6 +26,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Gemma3ForCausalLM": {"qkv_bias_key": "attention_bias", "o_bias_key": "attention_bias",
                           "tied": True},
 }
+# What config.json may name: the above, and multimodal checkpoints whose text
+# model is one of them (model.multimodal_text).
+SUPPORTED_ARCHITECTURES = [*ARCHITECTURES, *TEXT_MODELS]
+
 
 @dataclass
 class ModelConfig:
@@ -59,12 +65,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        cfg = text_model_config(cfg) or cfg  # a multimodal checkpoint's text model
         architectures = cfg.get("architectures") or []
         arch = next((a for a in architectures if a in ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported model architecture {architectures or cfg.get('model_type')!r}; "
-                f"supported: {', '.join(ARCHITECTURES)}")
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         quirks = ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]

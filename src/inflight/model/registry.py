@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from inflight.model.config import ARCHITECTURES
+from inflight.model.config import SUPPORTED_ARCHITECTURES
 from inflight.model.gemma import GemmaForCausalLM
 from inflight.model.llama import LlamaForCausalLM
 from inflight.model.mixtral import MixtralForCausalLM
@@ -32,4 +32,4 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     if architecture in _CLASSES:
         return _CLASSES[architecture]
     raise ValueError(f"unsupported model architecture {architecture!r}; "
-                     f"supported: {', '.join(ARCHITECTURES)}")
+                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

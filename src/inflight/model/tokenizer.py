@@ -75,6 +75,8 @@ class Tokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
+        elif template is None and (path / "chat_template.json").exists():  # a processor's
+            template = json.loads((path / "chat_template.json").read_text()).get("chat_template")
         specials = {}
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             text = _token_text(config.get(key))
