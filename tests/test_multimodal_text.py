@@ -17,15 +17,16 @@ from helpers import hf_greedy, random_prompts, save_tiny_tokenizer
 from safetensors.torch import load_file, save_file
 
 from inflight import LLM, SamplingParams
-from inflight.model.loader import read_model_config
+from inflight.model.loader import iter_safetensors, read_model_config
+from inflight.model.multimodal_text import is_text_weight
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def multimodal(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
-    """A tiny Gemma3ForConditionalGeneration as transformers saves it, and the
-    model itself in float64 (the reference)."""
+def _save_multimodal(path: Path, **outer) -> torch.nn.Module:
+    """A tiny random Gemma3ForConditionalGeneration saved under ``path`` by
+    transformers (``outer``: settings of the outer config); returns it in
+    float64."""
     import transformers
 
     text = transformers.Gemma3TextConfig(
@@ -37,14 +38,21 @@ def multimodal(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
                                              num_hidden_layers=1, num_attention_heads=2,
                                              image_size=28, patch_size=14)
     config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                       mm_tokens_per_image=4, initializer_range=0.3,
-                                       tie_word_embeddings=False)
+                                       mm_tokens_per_image=4, initializer_range=0.3, **outer)
     torch.manual_seed(0)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    path = tmp_path_factory.mktemp("gemma3-multimodal")
     model.save_pretrained(path)
     save_tiny_tokenizer(path, 384)
-    return path, model.to(torch.float64)
+    return model.to(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """An untied tiny Gemma3ForConditionalGeneration as transformers saves it,
+    and the model itself in float64 (the reference)."""
+    path = tmp_path_factory.mktemp("gemma3-multimodal")
+    return path, _save_multimodal(path, tie_word_embeddings=False,
+                                  eos_token_id=[1, 7])
 
 
 def _rewritten(saved: Path, out: Path, layout: str) -> Path:
@@ -87,6 +95,9 @@ def test_the_text_model_of_a_multimodal_gemma_3_gives_transformers_tokens(multim
     config = read_model_config(path)
     assert config.architecture == "Gemma3ForCausalLM"
     assert config.sliding_windows == [6] * 5 + [None]
+    assert config.eos_token_ids == [1, 7]  # the outer config's
+    text_only = [name for name, _ in iter_safetensors(path, torch.float32, keep=is_text_weight)]
+    assert text_only and not any("vision" in n or "projector" in n for n in text_only)
     prompts = random_prompts(6, vocab=384, min_len=8, max_len=30, seed=2)
     with torch.inference_mode():
         expected = [hf_greedy(reference, p, 16) for p in prompts]
@@ -94,6 +105,23 @@ def test_the_text_model_of_a_multimodal_gemma_3_gives_transformers_tokens(multim
     llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
+def test_the_outer_config_ties_the_output_layer(tmp_path):
+    """transformers ties a multimodal Gemma 3's output layer to its embedding by
+    the outer config's tie_word_embeddings (whatever its text config says) and
+    then saves no lm_head: the text model loads tied, and gives its tokens."""
+    reference = _save_multimodal(tmp_path)  # outer: tied (the default); text: untied
+    assert not any("lm_head" in name for name in load_file(tmp_path / "model.safetensors"))
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="8MiB")
+    model = llm.engine.runner.model
+    assert model.config.tie_word_embeddings
+    prompt = random_prompts(1, vocab=384, min_len=12, max_len=12, seed=3)[0]
+    with torch.inference_mode():
+        expected = hf_greedy(reference, prompt, 8)
+    got = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert list(got) == expected
 
 
 def test_a_multimodal_checkpoint_of_another_family_is_named_unsupported(tmp_path):

@@ -161,10 +161,11 @@ def test_attention_rows_do_not_depend_on_the_batch():
     assert torch.equal(alone[-1:], last_alone)
 
 
-def test_triton_ops_run_linears_from_their_own_weights():
+def test_triton_ops_run_linears_from_their_own_weights(tiny_model):
     """TritonOps' packed weight is the plain weight (no copy): a tied output
     layer keeps reading the embedding table, and the model's weights are
-    counted once."""
+    counted once; so in a loaded engine too (on the CPU the C kernels' panels
+    move to huge pages, these stay where they are)."""
     from torch import nn
 
     from inflight.model.layers import Embedding, Linear, pack_linear_weights
@@ -179,3 +180,13 @@ def test_triton_ops_run_linears_from_their_own_weights():
     assert model.head.packed.data_ptr() == table.data_ptr()
     assert model.proj.packed.data_ptr() == proj.data_ptr() and model.proj.weight.numel() == 0
     assert weight_bytes(model) == (50 * 8 + 6 * 8 + 6) * 2
+    from inflight import LLM
+
+    llm = LLM(str(tiny_model("llama-gqa")), kernel_backend="triton", kv_cache_memory="4MiB")
+    model = llm.engine.runner.model
+    assert model.lm_head.packed.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert llm.engine.runner.weight_bytes == sum(
+        t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+        if t.numel()) + sum(m.packed.numel() * m.packed.element_size()
+                            for m in model.modules() if isinstance(m, Linear)
+                            and m.packed is not None and m is not model.lm_head)

@@ -19,8 +19,9 @@ class Linear(nn.Module):
     ``pack(ops)`` hands the layer to ops that run linear layers themselves: the
     CPU kernels' packed matrix product, which beats PyTorch's default at every
     batch size measured on this project's CPU machine (2-3x at a decode batch's
-    few rows), or the GPU's batch-invariant Triton product. The plain weight is
-    then dropped unless another module shares it (a tied embedding).
+    few rows), or the GPU's (cuBLAS, a one-row GEMV, or the batch-invariant
+    Triton product, all from the plain weight). The weight parameter is then
+    dropped unless another module shares it (a tied embedding).
     """
 
     # Whether --quantization may store this weight in an integer format (a

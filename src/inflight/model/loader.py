@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -65,14 +65,19 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
 
 
-def iter_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: Path, dtype: torch.dtype,
+                     keep: Callable[[str], bool] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The directory's tensors in ``dtype`` (only those whose name ``keep`` keeps:
+    the others are not read)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model directory {model_dir} has no *.safetensors weights")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name).to(dtype)
 
 
 def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Tokenizer | None) -> list[int]:

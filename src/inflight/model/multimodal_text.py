@@ -47,10 +47,18 @@ def text_model_config(cfg: dict[str, Any]) -> dict[str, Any] | None:
     if found is None:
         return None
     text_arch, defaults = TEXT_MODELS[found]
+    # What the outer config says wins: transformers ties the output layer by its
+    # tie_word_embeddings, and its eos_token_id lists the end of a turn too.
     outer = {key: cfg[key] for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings")
              if key in cfg}
-    return (defaults | outer | dict(cfg.get("text_config") or {})
+    return (defaults | dict(cfg.get("text_config") or {}) | outer
             | {"architectures": [text_arch], "multimodal_architecture": found})
+
+
+def is_text_weight(name: str) -> bool:
+    """Whether a multimodal checkpoint's tensor belongs to its text model (read
+    no other: a vision tower is hundreds of MB)."""
+    return name.startswith(tuple(prefix for prefix, _ in _TEXT_PREFIXES))
 
 
 def text_model_weights(weights: Iterable[tuple[str, torch.Tensor]]

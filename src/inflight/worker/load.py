@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from inflight.model.cpu_layers import CpuDecoderLayers
 from inflight.model.dummy_weights import fill_dummy_weights
 from inflight.model.layers import pack_linear_weights
 from inflight.model.loader import gguf_file, iter_safetensors
+from inflight.model.multimodal_text import is_text_weight
 from inflight.model.quantize import (load_gguf_blocks, quantize_weights, read_gguf_weights,
                                      weight_bytes)
 from inflight.model.registry import get_model_class
@@ -130,7 +132,7 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
         _load_weights(model, config, model_dir, dtype, ops)
         if ops.packs_weights:
             pack_linear_weights(model, ops)
-        if device.type == "cpu":
+        if isinstance(ops, CpuOps):  # the C kernels' panels
             on_huge_pages = move_packed_weights_to_huge_pages(model)
         if c_kernels and model.fused_cpu_decoder:
             model.fused_layers = CpuDecoderLayers(ops.lib, model)
@@ -189,7 +191,7 @@ def _load_weights(model: torch.nn.Module, config: EngineConfig, model_dir: Path,
         if dummy:
             fill_dummy_weights(model, config.seed)
         else:
-            model.load_weights(iter_safetensors(model_dir, dtype))
+            model.load_weights(_checkpoint(model, model_dir, dtype))
         return
     if method == "gguf":
         floats, blocks = read_gguf_weights(gguf_file(config.model), model_dir)
@@ -199,11 +201,19 @@ def _load_weights(model: torch.nn.Module, config: EngineConfig, model_dir: Path,
         if dummy:
             fill_dummy_weights(model, config.seed)
         else:
-            model.load_weights(iter_safetensors(model_dir, torch.float32))
+            model.load_weights(_checkpoint(model, model_dir, torch.float32))
         if method is not None:
             quantize_weights(model, QuantOps(ops.lib, method))
     if dtype == torch.bfloat16:
         quantize_weights(model, QuantOps(ops.lib, "bf16"), embeddings=True)
+
+
+def _checkpoint(model: torch.nn.Module, model_dir: Path,
+                dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The directory's tensors for ``model``: a multimodal checkpoint's text
+    model's alone (model.multimodal_text)."""
+    multimodal = model.config.hf_config.get("multimodal_architecture")
+    return iter_safetensors(model_dir, dtype, keep=is_text_weight if multimodal else None)
 
 
 def _kv_pools(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
