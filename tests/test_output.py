@@ -60,3 +60,22 @@ def test_holdback_releases_text_that_cannot_start_a_stop_string(tokenizer):
     detok.text = "abc#x"
     assert detok.visible_text([], False) == "abc#x"
     assert detok.visible_text([], True) == "abc#x"
+
+
+def test_a_stream_ending_mid_character_ends_as_the_whole_decode(tokenizer):
+    """A sequence cut short (max_tokens) after the first byte of a two-byte
+    character: the stream holds the byte back while more may come, and at the
+    end shows what the answer that is not streamed shows (U+FFFD there)."""
+    tokens = tokenizer.encode("caf", add_special_tokens=False) + [tokenizer.token_to_id("Ã")]
+    whole = tokenizer.decode(tokens)
+    assert whole.endswith("\ufffd")
+    detok = SequenceDetokenizer(tokenizer, SamplingParams(), stream=True)
+    for i, token in enumerate(tokens):
+        detok.add_token(token, i + 1)
+        assert "\ufffd" not in detok.visible_text(tokens[:i + 1], finished=False)
+    assert detok.visible_text(tokens, finished=True) == whole
+    # A stop string's cut is final.
+    detok, _, stop = feed(tokenizer, "one two three", stop=["two"])
+    assert stop == "two"
+    assert detok.visible_text(tokenizer.encode("one two three", add_special_tokens=False),
+                              finished=True) == "one "

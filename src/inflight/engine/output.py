@@ -120,6 +120,9 @@ class SequenceDetokenizer:
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
+        # Whether a stop string cut the text, and whether the end was taken in.
+        self.stopped = False
+        self.ended = False
 
     def add_token(self, token_id: int, num_output_tokens: int) -> str | None:
         """Append one token's text; returns the stop string it completed, if any
@@ -138,7 +141,20 @@ class SequenceDetokenizer:
             return None
         index, stop = min(found)
         self.text = self.text[:index + (len(stop) if self.include_stop else 0)]
+        self.stopped = True
         return stop
+
+    def _end(self, token_ids: list[int]) -> None:
+        """At the end, the text of bytes the last tokens left short of a whole
+        character: the incremental decoder holds them back, a whole decode
+        (the answer that is not streamed) shows them as U+FFFD; so the stream's
+        text ends as that answer does."""
+        self.ended = True
+        if self.stopped or not token_ids:
+            return
+        whole = self.tokenizer.decode(token_ids, self.skip_special_tokens)
+        if len(whole) > len(self.text) and whole.startswith(self.text):
+            self.text = whole
 
     def visible_text(self, token_ids: list[int], finished: bool) -> str:
         """The text so far, minus any tail that is a prefix of a stop string
@@ -153,6 +169,8 @@ class SequenceDetokenizer:
             if finished and self.tokenizer is not None and not self.text:
                 self.text = self.tokenizer.decode(token_ids, self.skip_special_tokens)
             return len(self.text)
+        if finished and not self.ended:
+            self._end(token_ids)
         if finished or not self.stop:
             return len(self.text)
         for k in range(min(len(self.text), self.max_stop_len - 1), 0, -1):
