@@ -1,8 +1,7 @@
 """Loading Hugging Face-named checkpoint tensors into a model family's modules:
 the parts of our fused Linears (q/k/v, gate/up) stacked at the rows their
 parent modules' ``fused_offsets`` give, names a family spells differently
-renamed (``checkpoint_renames``), a multimodal checkpoint's text model taken
-alone, every parameter accounted for."""
+renamed (``checkpoint_renames``), every parameter accounted for."""
 
 from __future__ import annotations
 
@@ -11,8 +10,6 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-
-from inflight.model.multimodal_text import text_model_weights
 
 
 class CheckpointLoading(nn.Module):
@@ -51,8 +48,6 @@ class CheckpointLoading(nn.Module):
         give. Raises if any parameter is left unset (other than those named in
         ``set_elsewhere``, say quantized weights read as blocks) or a tensor has
         no home."""
-        if self.config.hf_config.get("multimodal_architecture"):
-            weights = text_model_weights(weights)
         params = dict(self.named_parameters())
         unset = set(params) - set_elsewhere
         rows_seen: dict[str, int] = {}

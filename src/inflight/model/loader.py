@@ -66,18 +66,19 @@ def read_model_config(model_dir: Path) -> ModelConfig:
 
 
 def iter_safetensors(model_dir: Path, dtype: torch.dtype,
-                     keep: Callable[[str], bool] | None = None
+                     rename: Callable[[str], str | None] | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The directory's tensors in ``dtype`` (only those whose name ``keep`` keeps:
-    the others are not read)."""
+    """The directory's tensors in ``dtype``, each named ``rename(name)`` where
+    given (None: the tensor is not read)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model directory {model_dir} has no *.safetensors weights")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if keep is None or keep(name):
-                    yield name, f.get_tensor(name).to(dtype)
+                ours = name if rename is None else rename(name)
+                if ours is not None:
+                    yield ours, f.get_tensor(name).to(dtype)
 
 
 def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer: Tokenizer | None) -> list[int]:

@@ -11,11 +11,7 @@ filled in here. Their tensors name the text model ``language_model.model.*``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 # transformers' Gemma3TextConfig defaults (4.x spelling: one rope base per kind
 # of layer; a nested rope_parameters in the config wins).
@@ -55,18 +51,11 @@ def text_model_config(cfg: dict[str, Any]) -> dict[str, Any] | None:
             | {"architectures": [text_arch], "multimodal_architecture": found})
 
 
-def is_text_weight(name: str) -> bool:
-    """Whether a multimodal checkpoint's tensor belongs to its text model (read
-    no other: a vision tower is hundreds of MB)."""
-    return name.startswith(tuple(prefix for prefix, _ in _TEXT_PREFIXES))
-
-
-def text_model_weights(weights: Iterable[tuple[str, torch.Tensor]]
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A multimodal checkpoint's text-model tensors, named as in a text-only
-    checkpoint; the vision tower's and the projector's are dropped."""
-    for name, tensor in weights:
-        for prefix, text_prefix in _TEXT_PREFIXES:
-            if name.startswith(prefix):
-                yield text_prefix + name[len(prefix):], tensor
-                break
+def text_weight_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as in a text-only checkpoint, or
+    None for the vision tower's and the projector's (never read: a vision
+    tower is hundreds of MB)."""
+    for prefix, text_prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return text_prefix + name[len(prefix):]
+    return None

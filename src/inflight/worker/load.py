@@ -21,7 +21,7 @@ from inflight.model.cpu_layers import CpuDecoderLayers
 from inflight.model.dummy_weights import fill_dummy_weights
 from inflight.model.layers import pack_linear_weights
 from inflight.model.loader import gguf_file, iter_safetensors
-from inflight.model.multimodal_text import is_text_weight
+from inflight.model.multimodal_text import text_weight_name
 from inflight.model.quantize import (load_gguf_blocks, quantize_weights, read_gguf_weights,
                                      weight_bytes)
 from inflight.model.registry import get_model_class
@@ -211,9 +211,10 @@ def _load_weights(model: torch.nn.Module, config: EngineConfig, model_dir: Path,
 def _checkpoint(model: torch.nn.Module, model_dir: Path,
                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """The directory's tensors for ``model``: a multimodal checkpoint's text
-    model's alone (model.multimodal_text)."""
+    model's alone, named as a text-only checkpoint names them
+    (model.multimodal_text)."""
     multimodal = model.config.hf_config.get("multimodal_architecture")
-    return iter_safetensors(model_dir, dtype, keep=is_text_weight if multimodal else None)
+    return iter_safetensors(model_dir, dtype, rename=text_weight_name if multimodal else None)
 
 
 def _kv_pools(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
