@@ -80,16 +80,14 @@ class TritonOps(TorchOps):
     weight (no copy)."""
 
     packs_weights = True
-    # One row in float16 or bfloat16 through the GEMV kernel (False: cuBLAS).
-    single_row_gemv = True
 
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.contiguous()
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                out_features: int) -> torch.Tensor:
-        if (self.single_row_gemv and x.dim() == 2 and x.shape[0] == 1
-                and packed.dtype in (torch.float16, torch.bfloat16)):
+        # One row in float16 or bfloat16 (a batch-1 decode step): the GEMV.
+        if x.dim() == 2 and x.shape[0] == 1 and packed.dtype in (torch.float16, torch.bfloat16):
             return gemv(x, packed, bias)
         return torch.nn.functional.linear(x, packed, bias)
 
