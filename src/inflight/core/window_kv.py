@@ -69,6 +69,12 @@ def window_blocks_needed(window: int, block_size: int, num_seqs: int, step_token
     return num_seqs * (cdiv(window, block_size) + 2) + cdiv(step_tokens, block_size)
 
 
+def pages_of_blocks(num_blocks: int, layers: int, global_layers: int) -> int:
+    """The pages (blocks of the global layers) that the memory of ``num_blocks``
+    blocks over every layer makes, page 0 (the zero block) left out."""
+    return num_blocks * layers // global_layers - 1
+
+
 def kv_capacity_tokens(num_blocks: int, block_size: int, window: int | None,
                        window_pages: int, step_tokens: int) -> int:
     """The longest context one request can have alone in ``num_blocks``

@@ -30,7 +30,7 @@ from typing import Any
 
 from inflight.config import EngineConfig
 from inflight.core.sampling_params import SamplingParams
-from inflight.core.window_kv import kv_capacity_tokens
+from inflight.core.window_kv import kv_capacity_tokens, pages_of_blocks
 from inflight.engine.messages import ModelInfo
 from inflight.engine.engine_core import EngineCore
 from inflight.engine.factory import build_scheduler
@@ -117,10 +117,9 @@ class SimConfig:
         if engine.num_kv_blocks and kv_window is None:
             blocks = engine.num_kv_blocks
         elif engine.num_kv_blocks:
-            # (A calibration's window.) Blocks over every layer as pages, less
-            # page 0, as worker.kv_pools plans them.
-            layers, global_layers = ctx["kv_layers"]
-            blocks = engine.num_kv_blocks * layers // global_layers - 1
+            # (A calibration's window.) Blocks over every layer as pages, as
+            # worker.kv_pools plans them.
+            blocks = pages_of_blocks(engine.num_kv_blocks, *ctx["kv_layers"])
         capacity = kv_capacity_tokens(blocks, engine.block_size, kv_window, window_pages,
                                       engine.max_num_batched_tokens)
         max_model_len = engine.max_model_len or min(model_max, capacity)

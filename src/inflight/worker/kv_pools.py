@@ -15,7 +15,7 @@ import torch
 
 from inflight.config import EngineConfig
 from inflight.core.kv_cache_manager import cdiv
-from inflight.core.window_kv import kv_capacity_tokens
+from inflight.core.window_kv import kv_capacity_tokens, pages_of_blocks
 from inflight.model.config import ModelConfig
 
 
@@ -68,6 +68,6 @@ def plan_kv_pools(config: EngineConfig, model_config: ModelConfig, dtype: torch.
         return KVPools(config.num_kv_blocks or kv_bytes // size, None)
     layers = model_config.num_hidden_layers
     global_layers = model_config.sliding_windows.count(None)
-    pages = (config.num_kv_blocks * layers // global_layers if config.num_kv_blocks
-             else kv_bytes // size)
-    return KVPools(pages - 1, window, cdiv(layers - global_layers, global_layers))  # (page 0)
+    pages = (pages_of_blocks(config.num_kv_blocks, layers, global_layers)
+             if config.num_kv_blocks else kv_bytes // size - 1)  # (page 0)
+    return KVPools(pages, window, cdiv(layers - global_layers, global_layers))
