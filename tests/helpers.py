@@ -144,13 +144,16 @@ def random_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int
 
 
 def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Any,
-                    scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                    scale: float, window: int | None, softcap: float | None,
+                    bf16_dots: bool = False) -> torch.Tensor:
     """Plain attention in float64, token by token, as transformers' eager
     attention computes it: scores ``scale * q . k``, then ``softcap *
     tanh(scores / softcap)``, then the causal (and sliding-window) mask and the
     softmax. q ``[T, Hq, D]``; the caches ``[Hkv, blocks, block_size, D]``
     hold every key of the step (``layout``: a ``BatchLayout``); returns
-    ``[T, Hq * D]``."""
+    ``[T, Hq * D]``. With ``bf16_dots``, as bf16 dot-product kernels do: q
+    and the softmax's numerators rounded to bf16 before their products (the
+    numerators' sum not)."""
     num_kv_heads, _, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     keys = k_cache.double().reshape(num_kv_heads, -1, head_dim)
@@ -165,10 +168,14 @@ def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                      + positions % block_size)
             k = keys[:, slots].repeat_interleave(group, 0)      # [Hq, n, D]
             v = values[:, slots].repeat_interleave(group, 0)
-            scores = torch.einsum("hd,hnd->hn", q[t].double(), k) * scale
+            qt = q[t].to(torch.bfloat16) if bf16_dots else q[t]
+            scores = torch.einsum("hd,hnd->hn", qt.double(), k) * scale
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
-            out.append(torch.einsum("hn,hnd->hd", scores.softmax(-1), v).reshape(-1))
+            p = (scores - scores.amax(-1, keepdim=True)).exp()
+            weights = p.float().to(torch.bfloat16).double() if bf16_dots else p
+            out.append((torch.einsum("hn,hnd->hd", weights, v) /
+                        p.sum(-1, keepdim=True)).reshape(-1))
     return torch.stack(out)
 
 

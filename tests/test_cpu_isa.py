@@ -13,6 +13,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers import dense_attention
+
+from inflight.attention.backend import BatchLayout
 from inflight.ops import cpu_isa
 from inflight.ops.cpu_ops import CpuOps, library_isa, load_library
 from inflight.ops.quant import QuantOps
@@ -185,6 +188,10 @@ def test_w8a8_linear_sums_exactly_in_every_build(build, n, k):
 
 
 def test_bf16_kv_cache_holds_torchs_rounding_and_attends_as_its_float_values(build):
+    """A bf16 cache holds PyTorch's rounding. A build without bf16 dot
+    products attends over it with a float32 cache's bits; one with them
+    (head sizes a multiple of 32) as float64 attention with q and the
+    softmax's numerators rounded to bf16 does, within float32 sums."""
     ops = CpuOps(build)
     heads, kv_heads, dim, block_size, num_blocks = 6, 2, 64, 16, 12
     rng = torch.Generator().manual_seed(3)
@@ -204,11 +211,18 @@ def test_bf16_kv_cache_holds_torchs_rounding_and_attends_as_its_float_values(bui
     table = np.array([[3, 7, 1, 0], [5, 2, 9, 11]], np.int64)
     rows, lens = np.array([0, 0, 1, 1, 1], np.int64), np.array([17, 18, 1, 40, 64], np.int64)
     out_bf16, out_f32 = torch.empty(5, heads * dim), torch.empty(5, heads * dim)
+    layout = BatchLayout(np.arange(6), lens - 1, lens, table[rows], np.zeros(5, np.int64),
+                         block_size)
     for window in (None, 9):
         ops.paged_attention(q, out_bf16, *cache, table, rows, lens, dim ** -0.5, window)
         ops.paged_attention(q, out_f32, *(c.float() for c in cache), table, rows, lens,
                             dim ** -0.5, window)
-        assert torch.equal(out_bf16, out_f32)
+        if not library_isa(build).bf16_attention(dim):
+            assert torch.equal(out_bf16, out_f32)
+            continue
+        expected = dense_attention(q, *cache, layout, dim ** -0.5, window, None, bf16_dots=True)
+        torch.testing.assert_close(out_bf16.double(), expected, rtol=0, atol=2e-5)
+        assert (out_bf16 - out_f32).abs().max() > 1e-4  # not the float32 path's
 
 
 def test_the_emulated_avx512_engine_decodes_w8a8_as_avx2_does(tiny_model, monkeypatch):

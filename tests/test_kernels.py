@@ -11,7 +11,7 @@ from helpers import dense_attention
 from inflight.attention.backend import BatchLayout
 from inflight.attention.cpu_paged import CpuPagedBackend
 from inflight.attention.torch_paged import TorchPagedBackend
-from inflight.ops.cpu_ops import CpuOps, load_library
+from inflight.ops.cpu_ops import CpuOps, library_isa, load_library
 from inflight.ops.torch_ops import TorchOps
 
 lib = load_library()
@@ -149,27 +149,31 @@ def test_every_cpu_backend_soft_caps_the_scores_as_transformers_does(ops, heads,
         out = backend.forward(q, k, v, (k_cache, v_cache),
                               backend.build_metadata(layout, torch.device("cpu")),
                               scale=scale, sliding_window=window, logit_softcap=cap)
-        expected = dense_attention(q, k_cache, v_cache, layout, scale, window, cap)
-        uncapped = dense_attention(q, k_cache, v_cache, layout, scale, window, None)
+        dots = dtype == torch.bfloat16 and library_isa(lib).bf16_attention(dim)
+        expected = dense_attention(q, k_cache, v_cache, layout, scale, window, cap, dots)
+        uncapped = dense_attention(q, k_cache, v_cache, layout, scale, window, None, dots)
         assert (expected - uncapped).abs().max() > 0.5
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("context, run, window, softcap", [
     (37, 6, None, None), (0, 45, None, None), (21, 30, None, None), (40, 12, 19, None),
     (21, 30, None, 2.0)])
-def test_a_run_of_query_tokens_attends_as_its_decodes_would(ops, context, run, window, softcap):
+def test_a_run_of_query_tokens_attends_as_its_decodes_would(ops, context, run, window, softcap,
+                                                            kv_dtype):
     """A verified run of drafts, or a prompt chunk (tiled with its neighbours,
     across block boundaries), gets bit for bit the attention its tokens would
-    get decoded one per step: the speculative outputs' exactness and batch
-    invariance under any chunking rest on it."""
+    get decoded one per step, over either cache: the speculative outputs'
+    exactness and batch invariance under any chunking rest on it."""
     heads, kv_heads, dim, block_size = 9, 3, 64, 16
     rng = torch.Generator().manual_seed(0)
     qkv = torch.randn(run, (heads + 2 * kv_heads) * dim, generator=rng)
     q = qkv[:, :heads * dim].view(run, heads, dim)
     k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(run, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim:].view(run, kv_heads, dim)
-    cache = tuple(torch.randn(kv_heads, 8, block_size, dim, generator=rng) for _ in range(2))
+    cache = tuple(torch.randn(kv_heads, 8, block_size, dim, generator=rng).to(kv_dtype)
+                  for _ in range(2))
     table = np.array([[5, 2, 7, 0, 3]], np.int64)
     positions = np.arange(context, context + run)
     slots = table[0, positions // block_size] * block_size + positions % block_size
@@ -188,15 +192,20 @@ def test_a_run_of_query_tokens_attends_as_its_decodes_would(ops, context, run, w
         assert torch.equal(alone[0], together[i])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, dim, window", [(9, 3, 64, None), (8, 2, 128, None),
-                                                          (4, 1, 64, 20), (6, 2, 128, 7)])
-def test_a_lone_decode_gets_the_bits_it_gets_in_a_batch(ops, heads, kv_heads, dim, window):
+                                                          (4, 1, 64, 20), (6, 2, 128, 7),
+                                                          (10, 2, 96, None), (3, 1, 256, 9),
+                                                          (4, 2, 40, None)])
+def test_a_lone_decode_gets_the_bits_it_gets_in_a_batch(ops, heads, kv_heads, dim, window,
+                                                        kv_dtype):
     """A decode alone (its KV heads the only work items) gets the same bits as
-    when it is one query of a batch, for each head size the kernel
-    specialises, with and without a sliding window."""
+    when it is one query of a batch, for each head size the kernels
+    specialise and others, with and without a sliding window, over either
+    cache."""
     rng = torch.Generator().manual_seed(dim + heads)
     block_size, num_blocks, batch = 16, 40, 6
-    cache = tuple(torch.randn(kv_heads, num_blocks, block_size, dim, generator=rng)
+    cache = tuple(torch.randn(kv_heads, num_blocks, block_size, dim, generator=rng).to(kv_dtype)
                   for _ in range(2))
     q = torch.randn(batch, heads, dim, generator=rng)
     table = np.stack([np.random.default_rng(i).permutation(num_blocks)[:8]

@@ -28,9 +28,10 @@ from inflight.ops.torch_ops import TorchOps
 logger = logging.getLogger(__name__)
 
 CSRC = cpu_isa.PROBE.parent
-SOURCES = [CSRC / name for name in ("cpu_kernels.c", "quant_kernels.c", "bf16_kernels.c",
-                                    "int8_kernels.c", "layer_kernels.c")]
-HEADERS = [CSRC / name for name in ("kernels.h", "linear_kernel.h", "isa.h", "bf16.h")]
+SOURCES = [CSRC / name for name in ("cpu_kernels.c", "attention_bf16.c", "quant_kernels.c",
+                                    "bf16_kernels.c", "int8_kernels.c", "layer_kernels.c")]
+HEADERS = [CSRC / name for name in ("kernels.h", "linear_kernel.h", "isa.h", "bf16.h",
+                                    "attention.h")]
 LINEAR_PANEL = 16  # LINEAR_NR in the C source: output columns per packed weight panel
 # gnu11 rather than c11: ISO mode would forbid contracting a*b+c into one FMA.
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=gnu11", "-Wno-psabi"]

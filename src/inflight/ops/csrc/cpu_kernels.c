@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention.h"
 #include "bf16.h"
 #include "kernels.h"
 #include "linear_kernel.h"
@@ -21,36 +22,6 @@
 const char *inflight_isa(void)
 {
     return INFLIGHT_ISA_NAME;
-}
-
-/* exp(x) for x <= 0 (softmax numerators), relative error below 2e-7. Plain
- * arithmetic, so loops over it vectorise (libm's expf is a scalar call). */
-static inline float exp_nonpositive(float x)
-{
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_floorf(x * 1.44269504f + 0.5f);  /* x = n ln2 + r */
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
-    return p * two_n.f;
-}
-
-/* row[t] = cap * tanh(row[t] / cap) for n scores (Gemma 2's attention-logit
- * soft cap), tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) from
- * exp_nonpositive, so the loop vectorises; absolute error about 2e-7 cap. */
-static inline void soft_cap(float *row, int64_t n, float cap)
-{
-#pragma omp simd
-    for (int64_t t = 0; t < n; t++) {
-        const float x = row[t] / cap, e = exp_nonpositive(-2.0f * fabsf(x));
-        row[t] = cap * copysignf((1.0f - e) / (1.0f + e), x);
-    }
 }
 
 /* Lane j: hsum8(a[j]), added in the same order, for 8 vectors at once (the
@@ -141,34 +112,6 @@ static inline __attribute__((always_inline)) void accumulate_values(
     }
 }
 
-/* Ask for part `part` of `parts` of a cache block's lines ahead of use: blocks
- * are scattered in memory, so the hardware prefetcher, which follows one
- * address stream, loses the trail at every block boundary. A block asked for
- * in parts, one before each head's pass over the block in hand, keeps the
- * misses in flight to what the core can track: asked for at once (a 4 KiB
- * block is 64 lines), it stalled on a full miss queue and read about a fifth
- * slower. */
-static inline void prefetch_part(const void *block, int64_t bytes, int64_t part, int64_t parts)
-{
-    const int64_t lines = bytes / 64, lo = lines * part / parts, hi = lines * (part + 1) / parts;
-    for (int64_t i = lo; i < hi; i++)
-        __builtin_prefetch((const char *)block + 64 * i);
-}
-
-/* Queries attended together: consecutive tokens of one sequence share each
- * K/V block load (a prompt chunk, a run of drafts). */
-#define ATTENTION_TILE 8
-
-/* The positions [lo, hi) of the block starting at `base` that a query seeing
- * keys first .. len - 1 attends to; 0 if none. */
-static inline int keys_in_block(int64_t first, int64_t len, int64_t base, int64_t block_size,
-                                int64_t *lo, int64_t *hi)
-{
-    *lo = first > base ? first : base;
-    *hi = len < base + block_size ? len : base + block_size;
-    return *hi > *lo;
-}
-
 /* A cache block's elements as float32: the block itself when the cache is
  * float32, else its rows [lo, hi) (those a tile reads; positions lo_all ..
  * hi_all - 1 of the sequence) widened into `wide` at their places. */
@@ -235,37 +178,9 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
     }
     float inv_sum[ATTENTION_TILE * 16];  /* group <= 16: checked by the caller */
-    for (int i = 0; i < count; i++) {
-        const int64_t n = lens[i] - first[i];
-        for (int64_t g = 0; g < group; g++) {
-            float *row = scores + (i * group + g) * span + (first[i] - lo_all);
-            if (softcap > 0.0f)
-                soft_cap(row, n, softcap);
-            float max = -INFINITY;  /* the same whatever the order: vectorised */
-#pragma omp simd reduction(max:max)
-            for (int64_t t = 0; t < n; t++)
-                max = row[t] > max ? row[t] : max;
-#pragma omp simd
-            for (int64_t t = 0; t < n; t++)
-                row[t] = exp_nonpositive(row[t] - max);
-            memset(oh[i] + g * head_dim, 0, (size_t)head_dim * sizeof(float));
-        }
-        /* Each row's sum in key order (its bits must not depend on the tile),
-         * four rows' chains interleaved so that they do not wait on each
-         * other's additions. */
-        for (int64_t g = 0; g < group; g += 4) {
-            const float *rows[4];
-            for (int j = 0; j < 4; j++)
-                rows[j] = scores + (i * group + (g + j < group ? g + j : g)) * span +
-                          (first[i] - lo_all);
-            float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int64_t t = 0; t < n; t++)
-                for (int j = 0; j < 4; j++)
-                    sums[j] += rows[j][t];
-            for (int j = 0; j < 4 && g + j < group; j++)
-                inv_sum[i * group + g + j] = 1.0f / sums[j];
-        }
-    }
+    softmax_rows(scores, first, lens, count, group, span, softcap, inv_sum);
+    for (int i = 0; i < count; i++)
+        memset(oh[i], 0, (size_t)(group * head_dim) * sizeof(float));
     for (int64_t b = first_block; b <= last_block; b++) {
         const int64_t base = b * block_size;
         const float *vb = widened_rows(kv_at(vh, table[b] * block_stride, kv16), kv16, base,
@@ -298,15 +213,17 @@ static inline __attribute__((always_inline)) void attend_tile(
  * first seq_lens[s] positions of its sequence (the last `window` of them when
  * window > 0), whose K/V live in blocks block_tables[row_tables[s], :] of
  * k_cache/v_cache [num_kv_heads, num_blocks, block_size, head_dim] (float32,
- * or bf16 when kv_bf16: each element widened exactly, so the outputs are
- * those of a float32 cache holding the same values). Query head
+ * or bf16 when kv_bf16: with bf16 dot products where the build has them and
+ * head_dim is a multiple of 32 up to 256 (csrc/attention_bf16.c), else each
+ * element widened exactly, so that the outputs are those of a float32 cache
+ * holding the same values). Query head
  * j reads KV head j / (num_heads / num_kv_heads). K and V are read in place,
  * block by block: nothing is gathered or padded. A prompt's tokens are queries
  * with increasing seq_lens (causal attention); up to ATTENTION_TILE
  * consecutive ones of a sequence share each block load, and each is computed
  * exactly as its decode would be. With softcap > 0 each scaled score s
- * becomes softcap * tanh(s / softcap) before the softmax (0: none). Returns -1 if scratch memory ran out, -2 for
- * more than 16 query heads per KV head.
+ * becomes softcap * tanh(s / softcap) before the softmax (0: none). Returns
+ * -1 if scratch memory ran out, -2 for more than 16 query heads per KV head.
  */
 int inflight_paged_attention(
     const float *q, int64_t q_stride, float *out, int64_t out_stride, int64_t num_queries,
@@ -335,14 +252,19 @@ int inflight_paged_attention(
     }
     tile_start[num_tiles] = num_queries;
     int failed = 0;
+#ifdef INFLIGHT_AVX512_BF16
+    const int dot16 = kv_bf16 && head_dim % 32 == 0 && head_dim <= 256;
+#else
+    const int dot16 = 0;
+#endif
 
 #pragma omp parallel if (num_tiles * num_kv_heads > 1)
     {
         float *scores = NULL;
         int64_t capacity = 0;
         /* One block's elements widened from a bf16 cache. */
-        float *wide = kv_bf16 ? malloc((size_t)block_stride * sizeof(float)) : NULL;
-        if (kv_bf16 && wide == NULL) {
+        float *wide = kv_bf16 && !dot16 ? malloc((size_t)block_stride * sizeof(float)) : NULL;
+        if (kv_bf16 && !dot16 && wide == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -361,8 +283,14 @@ int inflight_paged_attention(
                     qh[i] = q + (s0 + i) * q_stride + h * group * head_dim;
                     oh[i] = out + (s0 + i) * out_stride + h * group * head_dim;
                 }
-                const int64_t need = count * group * (lens[count - 1] - first[0]);
-                if (kv_bf16 && wide == NULL)
+                const int64_t span = lens[count - 1] - first[0];
+                int64_t need = count * group * span;
+#ifdef INFLIGHT_AVX512_BF16
+                /* the scores, then the bf16 tile's q and p */
+                if (dot16)
+                    need += attention_bf16_scratch(count, group, span, head_dim) / 4 + 1;
+#endif
+                if (kv_bf16 && !dot16 && wide == NULL)
                     continue;
                 if (need > capacity) {
                     float *grown = realloc(scores, (size_t)need * sizeof(float));
@@ -381,6 +309,15 @@ int inflight_paged_attention(
 #define ATTEND(kv16_, head_dim_) attend_tile(qh, oh, first, lens, count, kh, vh, kv16_, table, \
                                              block_size, block_stride, group, head_dim_, scale, \
                                              softcap, scores, wide)
+#ifdef INFLIGHT_AVX512_BF16
+                if (dot16) {
+                    inflight_attend_tile_bf16(qh, oh, first, lens, count, kh, vh, table,
+                                              block_size, block_stride, group, head_dim, scale,
+                                              softcap, scores,
+                                              (uint16_t *)(scores + count * group * span));
+                    continue;
+                }
+#endif
                 if (kv16) {
                     if (head_dim == 64)
                         ATTEND(1, 64);
