@@ -221,8 +221,9 @@ def test_bf16_kv_cache_holds_torchs_rounding_and_attends_as_its_float_values(bui
             assert torch.equal(out_bf16, out_f32)
             continue
         expected = dense_attention(q, *cache, layout, dim ** -0.5, window, None, bf16_dots=True)
-        torch.testing.assert_close(out_bf16.double(), expected, rtol=0, atol=2e-5)
-        assert (out_bf16 - out_f32).abs().max() > 1e-4  # not the float32 path's
+        # 2e-4: a numerator may round to bf16 the other way (test_kernels)
+        torch.testing.assert_close(out_bf16.double(), expected, rtol=0, atol=2e-4)
+        assert (out_bf16 - out_f32).abs().max() > 1e-3  # not the float32 path's
 
 
 def test_the_emulated_avx512_engine_decodes_w8a8_as_avx2_does(tiny_model, monkeypatch):

@@ -153,7 +153,41 @@ def test_every_cpu_backend_soft_caps_the_scores_as_transformers_does(ops, heads,
         expected = dense_attention(q, k_cache, v_cache, layout, scale, window, cap, dots)
         uncapped = dense_attention(q, k_cache, v_cache, layout, scale, window, None, dots)
         assert (expected - uncapped).abs().max() > 0.5
-        torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=BF16_DOTS_ATOL if dots
+                                   else 2e-5)
+
+
+# A numerator rounded to bf16 the other way (its float32 exp a bit off the
+# reference's) moves an output by up to p / sum x 2^-8 |v|; q and p in float32
+# instead of bf16 move them by about 4e-3.
+BF16_DOTS_ATOL = 2e-4
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 8, 33])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128), (10, 2, 96),
+                                                  (2, 1, 256), (4, 2, 40)])
+def test_attention_over_a_bf16_cache_for_any_block_size_and_head_size(ops, block_size, heads,
+                                                                      kv_heads, dim):
+    """Decodes over a bf16 cache against float64 attention of its values (as
+    bf16 dot products compute it where the build has them): blocks of odd
+    sizes put odd key pairs and partial runs of 16 keys at every offset."""
+    gen = torch.Generator().manual_seed(block_size + dim)
+    num_blocks = 300 // block_size + 8
+    cache = [torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen)
+             .to(torch.bfloat16) for _ in range(2)]
+    lens = np.array([1, 2, 7, 31, 64, 150], np.int64)
+    table = np.stack([np.random.default_rng(i).permutation(num_blocks)[:num_blocks - 2]
+                      for i in range(6)]).astype(np.int64)
+    q = torch.randn(6, heads, dim, generator=gen)
+    out = torch.empty(6, heads * dim)
+    layout = BatchLayout(np.arange(7), lens - 1, lens, table, np.zeros(6, np.int64), block_size)
+    dots = library_isa(lib).bf16_attention(dim)
+    for window in (None, 13):
+        ops.paged_attention(q, out, *cache, table, np.arange(6, dtype=np.int64), lens,
+                            dim ** -0.5, window)
+        expected = dense_attention(q, *cache, layout, dim ** -0.5, window, None, dots)
+        torch.testing.assert_close(out.double(), expected, rtol=0,
+                                   atol=BF16_DOTS_ATOL if dots else 2e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
