@@ -154,11 +154,33 @@ def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``[T, Hq * D]``. With ``bf16_dots``, as bf16 dot-product kernels do: q
     and the softmax's numerators rounded to bf16 before their products (the
     numerators' sum not)."""
+    return _dense_attention(q, k_cache, v_cache, layout, scale, window, softcap, bf16_dots)[0]
+
+
+def assert_matches_dense_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                                   v_cache: torch.Tensor, layout: Any, scale: float,
+                                   window: int | None, softcap: float | None,
+                                   bf16_dots: bool = False, atol: float = 2e-5) -> None:
+    """``out`` is ``dense_attention``'s within ``atol``; with ``bf16_dots``,
+    also within what rounding each numerator to bf16 the other way could move
+    it (a kernel's float32 exp may put a numerator on the other side of a
+    rounding boundary: sum of one bf16 ulp of p_i times |v_i|, over the sum)."""
+    expected, slack = _dense_attention(q, k_cache, v_cache, layout, scale, window, softcap,
+                                       bf16_dots)
+    excess = (out.double() - expected).abs() - (atol + slack)
+    assert excess.max() <= 0, f"off by {excess.max().item():.3g} beyond the tolerance"
+
+
+def _dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Any,
+                     scale: float, window: int | None, softcap: float | None,
+                     bf16_dots: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """dense_attention's outputs, and the bf16 numerators' rounding slack (0
+    without bf16_dots)."""
     num_kv_heads, _, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     keys = k_cache.double().reshape(num_kv_heads, -1, head_dim)
     values = v_cache.double().reshape(num_kv_heads, -1, head_dim)
-    out = []
+    out, slack = [], []
     for i in range(len(layout.seq_lens)):
         for t in range(int(layout.query_start_loc[i]), int(layout.query_start_loc[i + 1])):
             pos = int(layout.context_lens[i]) + t - int(layout.query_start_loc[i])
@@ -173,10 +195,16 @@ def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             if softcap is not None:
                 scores = softcap * torch.tanh(scores / softcap)
             p = (scores - scores.amax(-1, keepdim=True)).exp()
-            weights = p.float().to(torch.bfloat16).double() if bf16_dots else p
-            out.append((torch.einsum("hn,hnd->hd", weights, v) /
-                        p.sum(-1, keepdim=True)).reshape(-1))
-    return torch.stack(out)
+            total = p.sum(-1, keepdim=True)
+            if bf16_dots:
+                weights = p.float().to(torch.bfloat16).double()
+                ulp = torch.ldexp(torch.ones_like(p), torch.frexp(p.float())[1] - 8).double()
+                slack.append((torch.einsum("hn,hnd->hd", ulp, v.abs()) / total).reshape(-1))
+            else:
+                weights = p
+                slack.append(torch.zeros(q.shape[1] * head_dim, dtype=torch.float64))
+            out.append((torch.einsum("hn,hnd->hd", weights, v) / total).reshape(-1))
+    return torch.stack(out), torch.stack(slack)
 
 
 class FixedProposer:

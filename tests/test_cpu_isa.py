@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import dense_attention
+from helpers import assert_matches_dense_attention
 
 from inflight.attention.backend import BatchLayout
 from inflight.ops import cpu_isa
@@ -220,9 +220,8 @@ def test_bf16_kv_cache_holds_torchs_rounding_and_attends_as_its_float_values(bui
         if not library_isa(build).bf16_attention(dim):
             assert torch.equal(out_bf16, out_f32)
             continue
-        expected = dense_attention(q, *cache, layout, dim ** -0.5, window, None, bf16_dots=True)
-        # 2e-4: a numerator may round to bf16 the other way (test_kernels)
-        torch.testing.assert_close(out_bf16.double(), expected, rtol=0, atol=2e-4)
+        assert_matches_dense_attention(out_bf16, q, *cache, layout, dim ** -0.5, window, None,
+                                       bf16_dots=True)
         assert (out_bf16 - out_f32).abs().max() > 1e-3  # not the float32 path's
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import dense_attention
+from helpers import assert_matches_dense_attention, dense_attention
 
 from inflight.attention.backend import BatchLayout
 from inflight.attention.cpu_paged import CpuPagedBackend
@@ -153,14 +153,8 @@ def test_every_cpu_backend_soft_caps_the_scores_as_transformers_does(ops, heads,
         expected = dense_attention(q, k_cache, v_cache, layout, scale, window, cap, dots)
         uncapped = dense_attention(q, k_cache, v_cache, layout, scale, window, None, dots)
         assert (expected - uncapped).abs().max() > 0.5
-        torch.testing.assert_close(out.double(), expected, rtol=0, atol=BF16_DOTS_ATOL if dots
-                                   else 2e-5)
-
-
-# A numerator rounded to bf16 the other way (its float32 exp a bit off the
-# reference's) moves an output by up to p / sum x 2^-8 |v|; q and p in float32
-# instead of bf16 move them by about 4e-3.
-BF16_DOTS_ATOL = 2e-4
+        assert_matches_dense_attention(out, q, k_cache, v_cache, layout, scale, window, cap,
+                                       dots)
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 8, 33])
@@ -185,22 +179,24 @@ def test_attention_over_a_bf16_cache_for_any_block_size_and_head_size(ops, block
     for window in (None, 13):
         ops.paged_attention(q, out, *cache, table, np.arange(6, dtype=np.int64), lens,
                             dim ** -0.5, window)
-        expected = dense_attention(q, *cache, layout, dim ** -0.5, window, None, dots)
-        torch.testing.assert_close(out.double(), expected, rtol=0,
-                                   atol=BF16_DOTS_ATOL if dots else 2e-5)
+        assert_matches_dense_attention(out, q, *cache, layout, dim ** -0.5, window, None, dots)
+        if dots:  # not the float32 path's
+            assert (out.double() - dense_attention(q, *cache, layout, dim ** -0.5, window,
+                                                   None)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128), (10, 2, 96)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("context, run, window, softcap", [
     (37, 6, None, None), (0, 45, None, None), (21, 30, None, None), (40, 12, 19, None),
     (21, 30, None, 2.0)])
 def test_a_run_of_query_tokens_attends_as_its_decodes_would(ops, context, run, window, softcap,
-                                                            kv_dtype):
+                                                            kv_dtype, heads, kv_heads, dim):
     """A verified run of drafts, or a prompt chunk (tiled with its neighbours,
     across block boundaries), gets bit for bit the attention its tokens would
     get decoded one per step, over either cache: the speculative outputs'
     exactness and batch invariance under any chunking rest on it."""
-    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    block_size = 16
     rng = torch.Generator().manual_seed(0)
     qkv = torch.randn(run, (heads + 2 * kv_heads) * dim, generator=rng)
     q = qkv[:, :heads * dim].view(run, heads, dim)
