@@ -41,18 +41,26 @@ static inline void soft_cap(float *row, int64_t n, float cap)
     }
 }
 
-/* Ask for part `part` of `parts` of a cache block's lines ahead of use: blocks
- * are scattered in memory, so the hardware prefetcher, which follows one
- * address stream, loses the trail at every block boundary. A block asked for
- * in parts, one before each head's pass over the block in hand, keeps the
- * misses in flight to what the core can track: asked for at once (a 4 KiB
- * block is 64 lines), it stalled on a full miss queue and read about a fifth
- * slower. */
-static inline void prefetch_part(const void *block, int64_t bytes, int64_t part, int64_t parts)
+/* Ask for part `part` of a cache block's `lines` 64-byte lines ahead of use,
+ * `part_lines` a part (parts_of: no division in the loops): blocks are
+ * scattered in memory, so the hardware prefetcher, which follows one address
+ * stream, loses the trail at every block boundary. A block asked for in
+ * parts, one before each head's pass over the block in hand, keeps the misses
+ * in flight to what the core can track: asked for at once (a 4 KiB block is
+ * 64 lines), it stalled on a full miss queue and read about a fifth slower. */
+static inline void prefetch_part(const void *block, int64_t lines, int64_t part_lines,
+                                 int64_t part)
 {
-    const int64_t lines = bytes / 64, lo = lines * part / parts, hi = lines * (part + 1) / parts;
+    const int64_t lo = part * part_lines;
+    const int64_t hi = lo + part_lines < lines ? lo + part_lines : lines;
     for (int64_t i = lo; i < hi; i++)
         __builtin_prefetch((const char *)block + 64 * i);
+}
+
+/* Lines a part of `lines` split into `parts`. */
+static inline int64_t parts_of(int64_t lines, int64_t parts)
+{
+    return (lines + parts - 1) / parts;
 }
 
 /* Queries attended together: consecutive tokens of one sequence share each
@@ -67,6 +75,20 @@ static inline int keys_in_block(int64_t first, int64_t len, int64_t base, int64_
     *lo = first > base ? first : base;
     *hi = len < base + block_size ? len : base + block_size;
     return *hi > *lo;
+}
+
+/* row[0] + ... + row[n - 1] in an order that depends on n alone (eight
+ * lanes, then the tail), so that a row's sum has the same bits in any tile. */
+static inline float row_sum(const float *row, int64_t n)
+{
+    v8f acc = {0};
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8)
+        acc += *(const v8f *)(row + t);
+    float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; t < n; t++)
+        sum += row[t];
+    return sum;
 }
 
 /* Each (query, head) row of a tile's scores to its softmax numerators,
@@ -92,21 +114,9 @@ static inline void softmax_rows(float *scores, const int64_t *first, const int64
             for (int64_t t = 0; t < n; t++)
                 row[t] = exp_nonpositive(row[t] - max);
         }
-        /* Each row's sum in key order (its bits must not depend on the tile),
-         * four rows' chains interleaved so that they do not wait on each
-         * other's additions. */
-        for (int64_t g = 0; g < group; g += 4) {
-            const float *rows[4];
-            for (int j = 0; j < 4; j++)
-                rows[j] = scores + (i * group + (g + j < group ? g + j : g)) * span +
-                          (first[i] - lo_all);
-            float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int64_t t = 0; t < n; t++)
-                for (int j = 0; j < 4; j++)
-                    sums[j] += rows[j][t];
-            for (int j = 0; j < 4 && g + j < group; j++)
-                inv_sum[i * group + g + j] = 1.0f / sums[j];
-        }
+        for (int64_t g = 0; g < group; g++)
+            inv_sum[i * group + g] = 1.0f / row_sum(scores + (i * group + g) * span +
+                                                    (first[i] - lo_all), n);
     }
 }
 

@@ -152,7 +152,8 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
 {
     const int64_t lo_all = first[0], hi_all = lens[count - 1], span = hi_all - lo_all;
     const int64_t first_block = lo_all / block_size, last_block = (hi_all - 1) / block_size;
-    const int64_t block_bytes = block_stride * 2, rows = count * group;
+    const int64_t lines = block_stride * 2 / 64, part_lines = parts_of(lines, group);
+    const int64_t rows = count * group;
     uint16_t *qb = scratch, *pb = scratch + rows * hd;  /* q and p as bf16 */
     for (int i = 0; i < count; i++)
         floats_to_bf16(qh[i], qb + i * group * hd, group * hd);
@@ -160,7 +161,7 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
     const int64_t blocks = last_block - first_block + 1;
 #define NEXT_BLOCK(j) ((j) < blocks ? kh + table[first_block + (j)] * block_stride \
                        : vh + table[first_block + (j) - blocks] * block_stride)
-    prefetch_part(NEXT_BLOCK(0), block_bytes, 0, 1);
+    prefetch_part(NEXT_BLOCK(0), lines, lines, 0);
     for (int64_t b = first_block; b <= last_block; b++) {
         const int64_t base = b * block_size;
         const uint16_t *kb = kh + table[b] * block_stride;
@@ -170,7 +171,7 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
                 continue;
             for (int64_t g = 0; g < group; g++) {
                 if (i == count - 1)
-                    prefetch_part(NEXT_BLOCK(b - first_block + 1), block_bytes, g, group);
+                    prefetch_part(NEXT_BLOCK(b - first_block + 1), lines, part_lines, g);
                 v16i q[8];
                 for (int64_t s = 0; s < hd / 32; s++)
                     q[s] = *(const v16i *)(qb + (i * group + g) * hd + 32 * s);
@@ -198,7 +199,7 @@ static inline __attribute__((always_inline)) void attend_tile_bf16(
             if (!keys_in_block(first[i], lens[i], base, block_size, &lo, &hi))
                 continue;
             if (i == count - 1 && b < last_block)
-                prefetch_part(NEXT_BLOCK(blocks + b - first_block + 1), block_bytes, 0, 1);
+                prefetch_part(NEXT_BLOCK(blocks + b - first_block + 1), lines, lines, 0);
             for (int64_t g = 0; g < group; g += at_once) {
                 const int heads = group - g < at_once ? (int)(group - g) : at_once;
 #define VALUES(h) accumulate_values_bf16(pb + (i * group + g) * span + (lo - lo_all), span, \

@@ -151,14 +151,14 @@ static inline __attribute__((always_inline)) void attend_tile(
 {
     const int64_t lo_all = first[0], hi_all = lens[count - 1], span = hi_all - lo_all;
     const int64_t first_block = lo_all / block_size, last_block = (hi_all - 1) / block_size;
-    const int64_t block_bytes = block_stride * (kv16 ? 2 : 4);
+    const int64_t lines = block_stride * (kv16 ? 2 : 4) / 64, part_lines = parts_of(lines, group);
 
     /* The tile reads its K blocks, then its V blocks: while on one, it asks
      * for the next (the last query sees every block of the tile). */
     const int64_t blocks = last_block - first_block + 1;
 #define NEXT_BLOCK(j) ((j) < blocks ? kv_at(kh, table[first_block + (j)] * block_stride, kv16) \
                        : kv_at(vh, table[first_block + (j) - blocks] * block_stride, kv16))
-    prefetch_part(NEXT_BLOCK(0), block_bytes, 0, 1);
+    prefetch_part(NEXT_BLOCK(0), lines, lines, 0);
 
     /* scores of each (query, head) for the keys it sees, in its own row */
     for (int64_t b = first_block; b <= last_block; b++) {
@@ -171,7 +171,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                 continue;
             for (int64_t g = 0; g < group; g++) {
                 if (i == count - 1)
-                    prefetch_part(NEXT_BLOCK(b - first_block + 1), block_bytes, g, group);
+                    prefetch_part(NEXT_BLOCK(b - first_block + 1), lines, part_lines, g);
                 dot_keys(qh[i] + g * head_dim, kb + (lo - base) * head_dim, hi - lo,
                          head_dim, scale, scores + (i * group + g) * span + (lo - lo_all), 1);
             }
@@ -191,8 +191,8 @@ static inline __attribute__((always_inline)) void attend_tile(
                 continue;
             for (int64_t g = 0; g < group; g++) {
                 if (i == count - 1 && b < last_block)
-                    prefetch_part(NEXT_BLOCK(blocks + b - first_block + 1), block_bytes, g,
-                                  group);
+                    prefetch_part(NEXT_BLOCK(blocks + b - first_block + 1), lines, part_lines,
+                                  g);
                 accumulate_values(scores + (i * group + g) * span + (lo - lo_all), 1,
                                   vb + (lo - base) * head_dim, hi - lo, head_dim,
                                   oh[i] + g * head_dim);
