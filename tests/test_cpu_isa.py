@@ -17,7 +17,7 @@ from helpers import assert_matches_dense_attention
 
 from inflight.attention.backend import BatchLayout
 from inflight.ops import cpu_isa
-from inflight.ops.cpu_ops import CpuOps, library_isa, load_library
+from inflight.ops.cpu_ops import CpuOps, bf16_attention, library_isa, load_library
 from inflight.ops.quant import QuantOps
 
 ZEN3 = frozenset({"avx", "avx2", "fma", "f16c"})
@@ -217,7 +217,7 @@ def test_bf16_kv_cache_holds_torchs_rounding_and_attends_as_its_float_values(bui
         ops.paged_attention(q, out_bf16, *cache, table, rows, lens, dim ** -0.5, window)
         ops.paged_attention(q, out_f32, *(c.float() for c in cache), table, rows, lens,
                             dim ** -0.5, window)
-        if not library_isa(build).bf16_attention(dim):
+        if not bf16_attention(build, dim):
             assert torch.equal(out_bf16, out_f32)
             continue
         assert_matches_dense_attention(out_bf16, q, *cache, layout, dim ** -0.5, window, None,

@@ -11,7 +11,7 @@ from helpers import assert_matches_dense_attention, dense_attention
 from inflight.attention.backend import BatchLayout
 from inflight.attention.cpu_paged import CpuPagedBackend
 from inflight.attention.torch_paged import TorchPagedBackend
-from inflight.ops.cpu_ops import CpuOps, library_isa, load_library
+from inflight.ops.cpu_ops import CpuOps, bf16_attention, load_library
 from inflight.ops.torch_ops import TorchOps
 
 lib = load_library()
@@ -149,7 +149,7 @@ def test_every_cpu_backend_soft_caps_the_scores_as_transformers_does(ops, heads,
         out = backend.forward(q, k, v, (k_cache, v_cache),
                               backend.build_metadata(layout, torch.device("cpu")),
                               scale=scale, sliding_window=window, logit_softcap=cap)
-        dots = dtype == torch.bfloat16 and library_isa(lib).bf16_attention(dim)
+        dots = dtype == torch.bfloat16 and bf16_attention(lib, dim)
         expected = dense_attention(q, k_cache, v_cache, layout, scale, window, cap, dots)
         uncapped = dense_attention(q, k_cache, v_cache, layout, scale, window, None, dots)
         assert (expected - uncapped).abs().max() > 0.5
@@ -175,7 +175,7 @@ def test_attention_over_a_bf16_cache_for_any_block_size_and_head_size(ops, block
     q = torch.randn(6, heads, dim, generator=gen)
     out = torch.empty(6, heads * dim)
     layout = BatchLayout(np.arange(7), lens - 1, lens, table, np.zeros(6, np.int64), block_size)
-    dots = library_isa(lib).bf16_attention(dim)
+    dots = bf16_attention(lib, dim)
     for window in (None, 13):
         ops.paged_attention(q, out, *cache, table, np.arange(6, dtype=np.int64), lens,
                             dim ** -0.5, window)

@@ -50,12 +50,6 @@ class Isa:
     native_bf16: bool = False   # bf16 dot products in hardware: dtype "auto" picks bf16
     emulated: bool = False      # a test build: never chosen unless asked for
 
-    def bf16_attention(self, head_dim: int) -> bool:
-        """Whether attention over a bf16 cache takes bf16 dot products here (q
-        and the softmax's numerators rounded to bf16: csrc/attention_bf16.c)
-        rather than widening the cache to float32 (a float32 cache's bits)."""
-        return "INFLIGHT_AVX512_BF16" in self.defines and head_dim % 32 == 0 and head_dim <= 256
-
 
 ISAS = (
     Isa("avx512bf16", (*_AVX512, "-mavx512vnni", "-mavx512bf16"),

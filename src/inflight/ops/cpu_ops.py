@@ -39,6 +39,7 @@ FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=gnu11
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "inflight_isa": (ctypes.c_char_p, []),
+    "inflight_attention_bf16": (ctypes.c_int, [_i64]),
     "inflight_paged_attention": (ctypes.c_int, [
         _ptr, _i64, _ptr, _i64, _i64,   # q, q_stride, out, out_stride, num_queries
         _ptr, _ptr, _i64, _i64, _i64,   # k_cache, v_cache, kv_bf16, num_blocks, block_size
@@ -69,6 +70,14 @@ def load_library(isa: str | None = None) -> ctypes.CDLL | None:
 def library_isa(lib: ctypes.CDLL) -> cpu_isa.Isa:
     """The target ``lib`` was built for."""
     return cpu_isa.BY_NAME[lib.inflight_isa().decode()]
+
+
+def bf16_attention(lib: ctypes.CDLL, head_dim: int) -> bool:
+    """Whether ``lib`` attends over a bf16 cache with bf16 dot products for
+    ``head_dim`` (q and the softmax's numerators rounded to bf16:
+    csrc/attention_bf16.c) rather than widening the cache to float32 (a float32
+    cache's bits)."""
+    return bool(lib.inflight_attention_bf16(head_dim))
 
 
 @functools.cache

@@ -120,21 +120,27 @@ static inline void softmax_rows(float *scores, const int64_t *first, const int64
     }
 }
 
+/* Whether attention over a bf16 cache with `head_dim` takes bf16 dot products
+ * in this build (csrc/attention_bf16.c) rather than widening the cache to
+ * float32; exported, so that Python asks the library rather than repeat it. */
+int inflight_attention_bf16(int64_t head_dim);
+
+/* Floats of scratch a bf16 tile needs after its scores: q and p as bf16. */
+static inline int64_t attention_bf16_scratch(int64_t count, int64_t group, int64_t span,
+                                             int64_t head_dim)
+{
+    return (count * group * (head_dim + span) + 1) / 2;
+}
+
 #ifdef INFLIGHT_AVX512_BF16
-/* A tile of inflight_paged_attention over a bf16 cache with bf16 dot products
- * (csrc/attention_bf16.c); head_dim a multiple of 32, at most 256. `scratch`
- * holds attention_bf16_scratch(count, group, span, head_dim) bytes. */
+/* A tile of inflight_paged_attention over a bf16 cache with bf16 dot products,
+ * where inflight_attention_bf16(head_dim). `scratch` holds
+ * attention_bf16_scratch(count, group, span, head_dim) floats. */
 void inflight_attend_tile_bf16(
     const float *const *qh, float *const *oh, const int64_t *first, const int64_t *lens,
     int count, const uint16_t *kh, const uint16_t *vh, const int64_t *table,
     int64_t block_size, int64_t block_stride, int64_t group, int64_t head_dim, float scale,
     float softcap, float *scores, uint16_t *scratch);
-
-static inline int64_t attention_bf16_scratch(int64_t count, int64_t group, int64_t span,
-                                             int64_t head_dim)
-{
-    return count * group * (head_dim + span + 2) * (int64_t)sizeof(uint16_t);
-}
 #endif
 
 #endif

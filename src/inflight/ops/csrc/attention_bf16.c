@@ -18,6 +18,16 @@
 #include "attention.h"
 #include "bf16.h"
 
+int inflight_attention_bf16(int64_t head_dim)
+{
+#ifdef INFLIGHT_AVX512_BF16
+    return head_dim % 32 == 0 && head_dim <= 256;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
 #ifdef INFLIGHT_AVX512_BF16
 
 typedef int32_t v16si __attribute__((vector_size(64)));

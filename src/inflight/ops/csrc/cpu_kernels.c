@@ -252,11 +252,7 @@ int inflight_paged_attention(
     }
     tile_start[num_tiles] = num_queries;
     int failed = 0;
-#ifdef INFLIGHT_AVX512_BF16
-    const int dot16 = kv_bf16 && head_dim % 32 == 0 && head_dim <= 256;
-#else
-    const int dot16 = 0;
-#endif
+    const int dot16 = kv_bf16 && inflight_attention_bf16(head_dim);
 
 #pragma omp parallel if (num_tiles * num_kv_heads > 1)
     {
@@ -284,12 +280,9 @@ int inflight_paged_attention(
                     oh[i] = out + (s0 + i) * out_stride + h * group * head_dim;
                 }
                 const int64_t span = lens[count - 1] - first[0];
-                int64_t need = count * group * span;
-#ifdef INFLIGHT_AVX512_BF16
-                /* the scores, then the bf16 tile's q and p */
-                if (dot16)
-                    need += attention_bf16_scratch(count, group, span, head_dim) / 4 + 1;
-#endif
+                /* the scores, then a bf16 tile's q and p */
+                const int64_t need = count * group * span +
+                    (dot16 ? attention_bf16_scratch(count, group, span, head_dim) : 0);
                 if (kv_bf16 && !dot16 && wide == NULL)
                     continue;
                 if (need > capacity) {
