@@ -93,8 +93,9 @@ async def run_open_loop(url: str, model: str, specs: list[RequestSpec]
         start = time.perf_counter()
 
         async def fire(spec: RequestSpec) -> RequestResult:
-            delay = spec.arrival - (time.perf_counter() - start)
-            if delay > 0:
+            # Again until the arrival time: uvloop's timers count whole
+            # milliseconds and may wake a fraction of one early.
+            while (delay := spec.arrival - (time.perf_counter() - start)) > 0:
                 await asyncio.sleep(delay)
             sent = time.perf_counter() - start
             result = await send(http, url, model, spec)
