@@ -176,6 +176,9 @@ def test_w8a8_linear_sums_exactly_in_every_build(build, n, k):
     w[5 % n] = 0  # a zero scale
     x = torch.randn(40, k)
     x[3, :min(k, 32)] = 0  # a zero block
+    ties = torch.arange(-15.5, 16.5)  # a block scaled by 1: every value rounds to even
+    ties[7] = 127.0
+    x[4, :min(k, 32)] = ties[:min(k, 32)]
     packed = ops.pack_weight(w)
     y = ops.linear(x, packed, bias, n)
     ref = _w8a8_reference(x, w) + bias.double()
@@ -185,6 +188,37 @@ def test_w8a8_linear_sums_exactly_in_every_build(build, n, k):
     if library_isa(build).name != "generic" and "avx2" in _runnable():
         avx2 = QuantOps(load_library("avx2"), "w8a8")
         assert torch.equal(avx2.linear(x, avx2.pack_weight(w), bias, n), y)
+
+
+def _scaled_ties() -> torch.Tensor:
+    """A block of 32 whose maximum is 10 and whose other values x land on
+    k + 1/2 exactly once x * (127 / 10) is rounded to float32, but not before
+    (a kernel that rounded the unrounded product would pick the other side)."""
+    inv = np.float32(127) / np.float32(10)
+    block = [10.0]
+    for k in range(-20, 20):
+        x = np.float32((k + 0.5) / float(inv))
+        for _ in range(8):
+            if np.float32(x * inv) == k + 0.5 and float(x) * float(inv) != k + 0.5:
+                block.append(float(x))
+                break
+            x = np.nextafter(x, np.float32(np.inf), dtype=np.float32)
+    assert len(block) >= 32
+    return torch.tensor(block[:32])
+
+
+def test_w8a8_activations_round_alike_in_every_build(build):
+    """131,072 activations, 31 of them on a tie once scaled (AVX-512 builds
+    quantize a block in registers, the others in loops): the outputs are
+    AVX2's bits."""
+    if library_isa(build).name == "generic" or "avx2" not in _runnable():
+        pytest.skip("compares with the AVX2 build")
+    torch.manual_seed(11)
+    w, x = torch.randn(16, 2048), torch.randn(64, 2048) * 3
+    x[5, 64:96] = _scaled_ties()
+    ops, avx2 = QuantOps(build, "w8a8"), QuantOps(load_library("avx2"), "w8a8")
+    assert torch.equal(ops.linear(x, ops.pack_weight(w), None, 16),
+                       avx2.linear(x, avx2.pack_weight(w), None, 16))
 
 
 def test_bf16_kv_cache_holds_torchs_rounding_and_attends_as_its_float_values(build):

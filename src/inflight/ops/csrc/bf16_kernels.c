@@ -39,15 +39,21 @@
 #define BF16_NARROW_ROWS 8
 
 /* `rows` rows of bf16 pairs (xb, `pairs` per row) against `panels` adjacent
- * panels from column col, read once. */
+ * panels from column col, read once; every `spacing`-th step also prefetches
+ * the next line of each of `panels` panels from `prefetch` (or NULL). */
 static inline __attribute__((always_inline)) void dot_tile(
     const uint32_t *xb, int64_t pairs, const uint8_t *panel, int64_t panel_bytes, int panels,
-    const float *bias, float *y, int64_t n, int64_t col, int rows)
+    const float *bias, float *y, int64_t n, int64_t col, int rows, const uint8_t *prefetch,
+    int64_t spacing)
 {
     v16f acc[BF16_TILE];  /* row r, panel p at r * panels + p */
     for (int i = 0; i < BF16_TILE; i++)
         acc[i] = (v16f){0};
     for (int64_t s = 0; s < pairs; s++) {
+        if (prefetch && (s & (spacing - 1)) == 0)
+            for (int p = 0; p < panels; p++)
+                __builtin_prefetch(prefetch + p * panel_bytes +
+                                   (s / spacing) * LINEAR_STEP_BYTES, 0, 3);
         for (int p = 0; p < panels; p++) {
             const v16i w = *(const v16i *)(panel + p * panel_bytes + s * LINEAR_STEP_BYTES);
             for (int r = 0; r < rows; r++)
@@ -65,29 +71,35 @@ static inline __attribute__((always_inline)) void dot_tile(
 }
 
 /* All m rows against `count` adjacent panels: one tile for a decode's few
- * rows; four panels in tiles of up to BF16_WIDE_ROWS near-equal row counts;
- * else (the last panels of a matrix) per panel tiles of up to 8 rows. */
+ * rows; four panels in tiles of up to BF16_WIDE_ROWS near-equal row counts,
+ * which (two tiles or more) prefetch their shares of the `next` unit's
+ * panels (or NULL: linear_panel's reason); else (the last panels of a matrix)
+ * per panel tiles of up to 8 rows. */
 static void dot_unit(const uint32_t *xb, int64_t pairs, int64_t m, const uint8_t *panel,
                      int64_t panel_bytes, int count, const float *bias, float *y, int64_t n,
-                     int64_t col)
+                     int64_t col, const uint8_t *next)
 {
     if (m == 1 && count == 4) {
-        dot_tile(xb, pairs, panel, panel_bytes, 4, bias, y, n, col, 1);
+        dot_tile(xb, pairs, panel, panel_bytes, 4, bias, y, n, col, 1, NULL, 1);
         return;
     }
     if (m == 2 && count == 2) {
-        dot_tile(xb, pairs, panel, panel_bytes, 2, bias, y, n, col, 2);
+        dot_tile(xb, pairs, panel, panel_bytes, 2, bias, y, n, col, 2, NULL, 1);
         return;
     }
     if (count == BF16_WIDE_PANELS) {
         const int64_t tiles = (m + BF16_WIDE_ROWS - 1) / BF16_WIDE_ROWS;
+        const int64_t spacing = prefetch_spacing(tiles);
+        if (tiles < 2)
+            next = NULL;
         int64_t row = 0;
         for (int64_t t = 0; t < tiles; t++) {
             const int rows = (int)(m / tiles + (t < m % tiles));
             const uint32_t *xr = xb + row * pairs;
             float *yr = y + row * n;
+            const uint8_t *pf = next ? next + t * (pairs / spacing) * LINEAR_STEP_BYTES : NULL;
 #define WIDE_ROWS(r) dot_tile(xr, pairs, panel, panel_bytes, BF16_WIDE_PANELS, bias, yr, n, \
-                              col, r)
+                              col, r, pf, spacing)
             switch (rows) {
             case 4: WIDE_ROWS(4); break;
             case 3: WIDE_ROWS(3); break;
@@ -108,7 +120,7 @@ static void dot_unit(const uint32_t *xb, int64_t pairs, int64_t m, const uint8_t
             const uint8_t *pp = panel + p * panel_bytes;
             float *yr = y + row * n;
             const int64_t c = col + p * LINEAR_NR;
-#define DOT_ROWS(r) dot_tile(xr, pairs, pp, panel_bytes, 1, bias, yr, n, c, r)
+#define DOT_ROWS(r) dot_tile(xr, pairs, pp, panel_bytes, 1, bias, yr, n, c, r, NULL, 1)
             switch (rows) {
             case 8: DOT_ROWS(8); break;
             case 7: DOT_ROWS(7); break;
@@ -150,7 +162,8 @@ int inflight_bf16_linear(const float *x, const uint8_t *packed, const float *bia
         const int64_t first = u * width;
         const int count = (int)(panels - first < width ? panels - first : width);
         dot_unit(xb, pairs, m, packed + first * panel_bytes, panel_bytes, count, bias, y, n,
-                 first * LINEAR_NR);
+                 first * LINEAR_NR,
+                 u + 1 < units ? packed + (first + width) * panel_bytes : NULL);
     }
     free(xb);
     return 0;

@@ -121,6 +121,16 @@ static inline __attribute__((always_inline)) void linear_block(
     store_block(acc, rows, scale, bias, y, n, col, cols);
 }
 
+/* Steps between a tile's prefetches when `tiles` tiles share the next
+ * panel's: a power of two >= tiles, so each asks for at most its share. */
+static inline int64_t prefetch_spacing(int64_t tiles)
+{
+    int64_t spacing = 1;
+    while (spacing < tiles)
+        spacing *= 2;
+    return spacing;
+}
+
 /* All M rows against one panel, in ceil(M / LINEAR_MR) tiles of near-equal row
  * counts (8 rows: 4 + 4, not 6 + 2: a tile of one or two rows is bound by its
  * weight loads; bf16: LINEAR_MR_BF16), each row count a constant so that its
@@ -140,9 +150,7 @@ static inline __attribute__((always_inline)) void linear_panel(
     const int64_t tiles = (m + mr - 1) / mr, steps = panel_steps(wfmt, k);
     if (m < LINEAR_PREFETCH_ROWS)
         next = NULL;
-    int64_t spacing = 1;  /* steps between prefetches: a power of two >= tiles */
-    while (spacing < tiles)
-        spacing *= 2;
+    const int64_t spacing = prefetch_spacing(tiles);
     int64_t row = 0;
     for (int64_t t = 0; t < tiles; t++) {
         const int rows = (int)(m / tiles + (t < m % tiles));
