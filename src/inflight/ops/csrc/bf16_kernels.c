@@ -50,10 +50,7 @@ static inline __attribute__((always_inline)) void dot_tile(
     for (int i = 0; i < BF16_TILE; i++)
         acc[i] = (v16f){0};
     for (int64_t s = 0; s < pairs; s++) {
-        if (prefetch && (s & (spacing - 1)) == 0)
-            for (int p = 0; p < panels; p++)
-                __builtin_prefetch(prefetch + p * panel_bytes +
-                                   (s / spacing) * LINEAR_STEP_BYTES, 0, 3);
+        prefetch_step(prefetch, panels, panel_bytes, s, spacing);
         for (int p = 0; p < panels; p++) {
             const v16i w = *(const v16i *)(panel + p * panel_bytes + s * LINEAR_STEP_BYTES);
             for (int r = 0; r < rows; r++)
@@ -97,7 +94,7 @@ static void dot_unit(const uint32_t *xb, int64_t pairs, int64_t m, const uint8_t
             const int rows = (int)(m / tiles + (t < m % tiles));
             const uint32_t *xr = xb + row * pairs;
             float *yr = y + row * n;
-            const uint8_t *pf = next ? next + t * (pairs / spacing) * LINEAR_STEP_BYTES : NULL;
+            const uint8_t *pf = prefetch_share(next, t, pairs, spacing);
 #define WIDE_ROWS(r) dot_tile(xr, pairs, panel, panel_bytes, BF16_WIDE_PANELS, bias, yr, n, \
                               col, r, pf, spacing)
             switch (rows) {

@@ -156,11 +156,7 @@ static inline __attribute__((always_inline)) void a8_tile(
         for (int i = 0; i < A8_TILE; i++)
             t[i] = (v16i){0};
         for (int j = 0; j < A8_STEPS; j++) {
-            const int64_t s = b * A8_STEPS + j;
-            if (prefetch && (s & (spacing - 1)) == 0)
-                for (int p = 0; p < panels; p++)
-                    __builtin_prefetch(prefetch + p * panel_bytes +
-                                       (s / spacing) * LINEAR_STEP_BYTES, 0, 3);
+            prefetch_step(prefetch, panels, panel_bytes, b * A8_STEPS + j, spacing);
             for (int p = 0; p < panels; p++) {
                 const v16i w = *(const v16i *)(panel + p * panel_bytes + b * A8_BLOCK_BYTES +
                                                j * LINEAR_STEP_BYTES) ^ (int32_t)0x80808080;
@@ -212,7 +208,7 @@ static void a8_unit(const a8_rows *q, int64_t m, int64_t kp, const uint8_t *pane
         int64_t row = 0;
         for (int64_t t = 0; t < tiles; t++) {
             const int rows = (int)(m / tiles + (t < m % tiles));
-            const uint8_t *pf = next ? next + t * (steps / spacing) * LINEAR_STEP_BYTES : NULL;
+            const uint8_t *pf = prefetch_share(next, t, steps, spacing);
 #define A8_WIDE(r) a8_tile(q, row, kp, panel, panel_bytes, A8_WIDE_PANELS, scale, bias, y, \
                            n, col, r, pf, spacing)
             switch (rows) {

@@ -87,6 +87,18 @@ static inline __attribute__((always_inline)) void multiply_add_rows(
     }
 }
 
+/* Step s of a tile that prefetches: every `spacing`-th step asks for the next
+ * line of each of `panels` panels (panel_bytes apart) from `prefetch`; none
+ * where it is NULL. */
+static inline __attribute__((always_inline)) void prefetch_step(
+    const void *prefetch, int panels, int64_t panel_bytes, int64_t s, int64_t spacing)
+{
+    if (prefetch && (s & (spacing - 1)) == 0)
+        for (int p = 0; p < panels; p++)
+            __builtin_prefetch((const char *)prefetch + p * panel_bytes +
+                               (s / spacing) * LINEAR_STEP_BYTES, 0, 3);
+}
+
 /* Rows 0..rows-1 of x (K floats each) against one panel in format wfmt; every
  * `spacing`-th step also prefetches the next line from `prefetch` (or NULL). */
 static inline __attribute__((always_inline)) void linear_block(
@@ -99,8 +111,7 @@ static inline __attribute__((always_inline)) void linear_block(
         acc[r][0] = acc[r][1] = (v8f){0};
     const int64_t whole = wfmt == WEIGHTS_F32 ? k : k / 2;
     for (int64_t s = 0; s < whole; s++) {
-        if (prefetch && (s & (spacing - 1)) == 0)
-            __builtin_prefetch(prefetch + (s / spacing) * LINEAR_STEP_BYTES, 0, 3);
+        prefetch_step(prefetch, 1, 0, s, spacing);
         const char *step = (const char *)panel + s * LINEAR_STEP_BYTES;
         if (wfmt == WEIGHTS_F32) {
             multiply_add_rows(acc, x, k, s, *(const v8f *)step, *(const v8f *)(step + 32),
@@ -131,6 +142,13 @@ static inline int64_t prefetch_spacing(int64_t tiles)
     return spacing;
 }
 
+/* Tile t's share of the `next` panels (`steps` steps each; NULL: none). */
+static inline const void *prefetch_share(const void *next, int64_t t, int64_t steps,
+                                         int64_t spacing)
+{
+    return next ? (const char *)next + t * (steps / spacing) * LINEAR_STEP_BYTES : NULL;
+}
+
 /* All M rows against one panel, in ceil(M / LINEAR_MR) tiles of near-equal row
  * counts (8 rows: 4 + 4, not 6 + 2: a tile of one or two rows is bound by its
  * weight loads; bf16: LINEAR_MR_BF16), each row count a constant so that its
@@ -155,8 +173,7 @@ static inline __attribute__((always_inline)) void linear_panel(
     for (int64_t t = 0; t < tiles; t++) {
         const int rows = (int)(m / tiles + (t < m % tiles));
         const float *xr = x + row * k;
-        const char *pf = next ? (const char *)next + t * (steps / spacing) * LINEAR_STEP_BYTES
-                              : NULL;
+        const char *pf = prefetch_share(next, t, steps, spacing);
         float *yr = y + row * n;
 #define LINEAR_ROWS(r) linear_block(xr, k, panel, wfmt, scale, bias, yr, n, col, cols, r, pf, \
                                     spacing)
