@@ -152,9 +152,12 @@ static inline __attribute__((always_inline)) void a8_tile(
     for (int i = 0; i < A8_TILE; i++)
         acc[i] = (v16f){0};
     for (int64_t b = 0; b < blocks; b++) {
+        /* Each sum starts at -128 x the block's sum of a (the weights' offset):
+         * the same integers as subtracting it after, one instruction fewer. */
         v16i t[A8_TILE];
-        for (int i = 0; i < A8_TILE; i++)
-            t[i] = (v16i){0};
+        for (int r = 0; r < rows; r++)
+            for (int p = 0; p < panels; p++)
+                t[r * panels + p] = (v16i){0} - q->offset[(row0 + r) * blocks + b];
         for (int j = 0; j < A8_STEPS; j++) {
             prefetch_step(prefetch, panels, panel_bytes, b * A8_STEPS + j, spacing);
             for (int p = 0; p < panels; p++) {
@@ -167,10 +170,9 @@ static inline __attribute__((always_inline)) void a8_tile(
             }
         }
         for (int r = 0; r < rows; r++) {
-            const int64_t i = (row0 + r) * blocks + b;
+            const float dx = q->dx[(row0 + r) * blocks + b];
             for (int p = 0; p < panels; p++)
-                acc[r * panels + p] += q->dx[i] *
-                    __builtin_convertvector(t[r * panels + p] - q->offset[i], v16f);
+                acc[r * panels + p] += dx * __builtin_convertvector(t[r * panels + p], v16f);
         }
     }
     for (int p = 0; p < panels; p++) {
@@ -209,6 +211,12 @@ static void a8_unit(const a8_rows *q, int64_t m, int64_t kp, const uint8_t *pane
         for (int64_t t = 0; t < tiles; t++) {
             const int rows = (int)(m / tiles + (t < m % tiles));
             const uint8_t *pf = prefetch_share(next, t, steps, spacing);
+            /* The next tile's output lines, asked for ahead: a prompt's
+             * thousands of rows store into lines that no cache holds, and
+             * waiting for them had cost a tenth of the layer. */
+            for (int64_t r = row + rows; r < row + 2 * rows && r < m; r++)
+                for (int p = 0; p < A8_WIDE_PANELS; p++)
+                    __builtin_prefetch(y + r * n + col + p * LINEAR_NR, 1, 3);
 #define A8_WIDE(r) a8_tile(q, row, kp, panel, panel_bytes, A8_WIDE_PANELS, scale, bias, y, \
                            n, col, r, pf, spacing)
             switch (rows) {

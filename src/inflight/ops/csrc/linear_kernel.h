@@ -87,16 +87,17 @@ static inline __attribute__((always_inline)) void multiply_add_rows(
     }
 }
 
-/* Step s of a tile that prefetches: every `spacing`-th step asks for the next
- * line of each of `panels` panels (panel_bytes apart) from `prefetch`; none
- * where it is NULL. */
+/* Step s of a tile that prefetches: every `spacing`-th step (a power of two:
+ * a shift, not a division, finds the line) asks for the next line of each of
+ * `panels` panels (panel_bytes apart) from `prefetch`; none where it is NULL. */
 static inline __attribute__((always_inline)) void prefetch_step(
     const void *prefetch, int panels, int64_t panel_bytes, int64_t s, int64_t spacing)
 {
     if (prefetch && (s & (spacing - 1)) == 0)
         for (int p = 0; p < panels; p++)
             __builtin_prefetch((const char *)prefetch + p * panel_bytes +
-                               (s / spacing) * LINEAR_STEP_BYTES, 0, 3);
+                               (s >> __builtin_ctzll((uint64_t)spacing)) * LINEAR_STEP_BYTES,
+                               0, 3);
 }
 
 /* Rows 0..rows-1 of x (K floats each) against one panel in format wfmt; every
