@@ -103,3 +103,40 @@ def test_keys_with_the_counted_suffix_are_counted_through_every_change():
     d = pool.pop_free()
     pool.register(d, b"d/w")
     assert pool.reset() == 1 and pool.num_suffixed == 0
+
+
+def test_a_block_follows_its_predecessor_when_that_one_is_plain_free():
+    pool = BlockPool(6)
+    a = pool.pop_free()
+    b = pool.pop_free()
+    assert (a, b) == (0, 1)
+    assert pool.pop_free(after=a) == 2  # 1 is held: the queue's next
+    assert pool.pop_free(after=b) == 3 and pool.pop_free(after=3) == 4
+    pool.release(2)  # to the back: 5, 2
+    assert pool.pop_free(after=1) == 2 and list(pool.free) == [5]
+
+
+def test_room_after_a_block_goes_to_the_back_up_to_the_first_block_not_free():
+    pool = BlockPool(8)
+    first = pool.pop_free()
+    held = [pool.pop_free() for _ in range(4)]  # 1..4
+    pool.release(2)
+    pool.release(3)  # free: 5 6 7 2 3
+    pool.keep_room_after(first, 5)  # 1 is held: nothing moves
+    assert list(pool.free) == [5, 6, 7, 2, 3]
+    pool.keep_room_after(held[0], 5)  # 2 and 3, then 4 is held
+    assert list(pool.free) == [5, 6, 7, 2, 3]
+    pool.keep_room_after(4, 2)  # 5 and 6
+    assert list(pool.free) == [7, 2, 3, 5, 6]
+
+
+def test_a_released_table_queues_its_plain_blocks_in_order_and_evicts_its_tail_first():
+    pool = BlockPool(6)
+    table = [pool.pop_free() for _ in range(5)]  # 0..4; block 5 stays free
+    pool.register(table[0], b"head")
+    pool.register(table[1], b"tail")
+    pool.release_table(table)
+    assert list(pool.free) == [5, 2, 3, 4]  # in table order, after the one free before
+    assert list(pool.evictable) == [1, 0]  # the cached tail goes first
+    assert [pool.pop_free() for _ in range(5)] == [5, 2, 3, 4, 1]
+    assert pool.cached == {b"head": 0}

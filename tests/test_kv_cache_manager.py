@@ -28,16 +28,17 @@ def test_rejects_empty_pool():
 
 @settings(max_examples=200, deadline=None)
 @given(num_blocks=st.integers(1, 40), block_size=st.sampled_from([1, 2, 4, 16]),
-       ops=st.lists(st.tuples(st.sampled_from("af"), st.integers(0, 5), st.integers(1, 200)),
+       ops=st.lists(st.tuples(st.sampled_from("af"), st.integers(0, 5), st.integers(1, 200),
+                              st.integers(0, 400)),
                     max_size=60))
 def test_blocks_are_never_owned_twice_or_lost(num_blocks, block_size, ops):
     kv = KVCacheManager(num_blocks, block_size)
     sizes: dict[str, int] = {}
-    for op, who, tokens in ops:
+    for op, who, tokens, room in ops:
         rid = f"r{who}"
         if op == "a":
             before = len(kv.block_ids(rid))
-            new = kv.allocate_slots(rid, tokens)
+            new = kv.allocate_slots(rid, tokens, room_tokens=room)
             needed = -(-tokens // block_size)
             if new is None:
                 assert needed - before > kv.num_free_blocks
@@ -52,6 +53,36 @@ def test_blocks_are_never_owned_twice_or_lost(num_blocks, block_size, ops):
         assert len(owned) == len(set(owned)), "a block is owned twice"
         assert len(owned) + kv.num_free_blocks == num_blocks, "a block was lost"
         assert set(owned).isdisjoint(kv._pool.free)
+
+
+def _runs(table: list[int]) -> int:
+    """Runs of consecutive block ids in a table."""
+    return 1 + sum(b != a + 1 for a, b in zip(table, table[1:]))
+
+
+def test_tables_growing_side_by_side_stay_in_runs_with_room_kept_after_them():
+    """Decodes grow every table by a block in turn. Without room kept, each
+    new block is the queue's next and the tables interleave block by block
+    (attention then reads each sequence in scattered pieces); with the room
+    each admission asks for, every table stays one run."""
+    for room, runs in ((0, 5), (96, 1)):
+        kv = KVCacheManager(num_blocks=64, block_size=16)
+        for rid in "abc":
+            assert kv.allocate_slots(rid, 20, room_tokens=room) is not None  # 2 blocks
+        for tokens in range(33, 97, 16):  # 4 more blocks each, in turn
+            for rid in "abc":
+                assert kv.allocate_slots(rid, tokens) is not None
+        assert [_runs(kv.block_ids(rid)) for rid in "abc"] == [runs] * 3
+        assert kv.num_free_blocks == 64 - 18
+
+
+def test_room_is_only_a_hint_and_freed_tables_come_back_in_ascending_runs():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert kv.allocate_slots("a", 8, room_tokens=1000) == [0, 1]  # keeps 2..7 for later
+    assert kv.allocate_slots("b", 24) == [2, 3, 4, 5, 6, 7]  # which anyone may take
+    assert kv.allocate_slots("a", 9) is None  # none left: nothing changes
+    kv.free("b")  # released tail first, queued in table order
+    assert kv.allocate_slots("c", 16) == [2, 3, 4, 5]
 
 
 def test_host_blocks_read_by_a_swap_in_are_not_reused_in_the_same_step():

@@ -337,3 +337,18 @@ def test_a_beam_search_ends_at_the_context_limit():
         sched.pop_finished_searches()
         longest = max([longest] + [r.num_tokens for r in sched.running])
     assert not sched.has_unfinished_requests() and longest <= 19
+
+
+def test_requests_decoding_side_by_side_keep_their_blocks_in_one_run():
+    """Admission keeps room after each table for the tokens the request is
+    expected to reach, so tables growing in turn do not interleave: each one
+    stays a run of consecutive blocks, which attention reads as one stream."""
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=64)
+    for rid, max_tokens in (("a", 20), ("b", 9), ("c", 30)):
+        sched.add_request(make_request(rid, 6, max_tokens))
+    kv = sched.kv_cache
+    while sched.has_unfinished_requests():
+        fake_step(sched)
+        for table in kv.owned_blocks().values():
+            assert table == list(range(table[0], table[0] + len(table)))
+    assert kv.num_free_blocks == 64

@@ -514,7 +514,11 @@ class Scheduler:
             if not kv.can_swap_in(request.request_id, num_tokens):
                 return False
             out.swap_in.extend(kv.swap_in(request.request_id))
-        return kv.allocate_slots(request.request_id, num_tokens, cached) is not None
+        # Room after the table for the positions it is expected to reach.
+        room = request.num_tokens + max(0, request.expected_output_tokens
+                                        - request.num_output_tokens)
+        return kv.allocate_slots(request.request_id, num_tokens, cached,
+                                 room_tokens=room) is not None
 
     def _num_seq_slots(self) -> int:
         """Sequence slots taken: running requests, the forks they will make, and

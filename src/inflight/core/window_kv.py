@@ -245,7 +245,8 @@ class WindowedKVCacheManager(KVCacheManager):
 
     # ------------------------------------------------------------- allocation
     def allocate_slots(self, request_id: str, num_tokens: int,
-                       cached_blocks: Sequence[int] = ()) -> list[int] | None:
+                       cached_blocks: Sequence[int] = (),
+                       room_tokens: int = 0) -> list[int] | None:
         groups = self._wgroups.get(request_id)
         if groups is not None:
             need = cdiv(num_tokens, self.block_size) - len(groups[0])
@@ -268,7 +269,7 @@ class WindowedKVCacheManager(KVCacheManager):
             return None
         for block in shared:  # (first: the new blocks might evict them)
             self._pool.take(block)
-        new = super().allocate_slots(request_id, num_tokens, cached_blocks)
+        new = super().allocate_slots(request_id, num_tokens, cached_blocks, room_tokens)
         if new is None:  # (not after the room check above; undone all the same)
             for block in shared:
                 self._pool.release(block)
