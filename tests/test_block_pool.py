@@ -130,13 +130,13 @@ def test_room_after_a_block_goes_to_the_back_up_to_the_first_block_not_free():
     assert list(pool.free) == [7, 2, 3, 5, 6]
 
 
-def test_a_released_table_queues_its_plain_blocks_in_order_and_evicts_its_tail_first():
+def test_a_released_table_queues_its_plain_blocks_first_in_order_and_evicts_its_tail_first():
     pool = BlockPool(6)
     table = [pool.pop_free() for _ in range(5)]  # 0..4; block 5 stays free
     pool.register(table[0], b"head")
     pool.register(table[1], b"tail")
     pool.release_table(table)
-    assert list(pool.free) == [5, 2, 3, 4]  # in table order, after the one free before
+    assert list(pool.free) == [2, 3, 4, 5]  # in table order, before the one free already
     assert list(pool.evictable) == [1, 0]  # the cached tail goes first
-    assert [pool.pop_free() for _ in range(5)] == [5, 2, 3, 4, 1]
+    assert [pool.pop_free() for _ in range(5)] == [2, 3, 4, 5, 1]
     assert pool.cached == {b"head": 0}

@@ -108,12 +108,14 @@ class BlockPool:
 
     def release_table(self, blocks: Sequence[int]) -> None:
         """Release a table's blocks tail first, so that its cached tail is
-        evicted before its head; those that become plain free join the free
-        queue in table order, so that the next table to take them gets them
-        in the same ascending runs."""
-        plain = [block for block in reversed(blocks) if self._drop_holder(block, True)]
-        for block in reversed(plain):
-            self._append_free(block)
+        evicted before its head; those that become plain free go to the front
+        of the free queue in table order, so that the next new table takes
+        them in the same ascending runs rather than the room kept after
+        tables still growing."""
+        for block in reversed(blocks):
+            if self._drop_holder(block, True):
+                self._append_free(block)
+                self.free.move_to_end(block, last=False)
 
     def _drop_holder(self, block: int, keep_cached: bool) -> bool:
         """One holder fewer (``release`` without queueing): whether the block

@@ -9,7 +9,8 @@ serve any request. Still, a table is laid out side by side where it can be
 (attention reads it faster so): it grows into the block after its last one
 when that is free, and a new table keeps the free blocks after it for the
 positions its request is expected to reach (``room_tokens``), at the back of
-the free queue, where other new tables come to them last.
+the free queue, where other new tables come to them last (a freed table's
+blocks go to its front).
 
 Prefix caching: once a block is full and its KV computed, it is registered
 under its content hash (``core.block_hash``). A new request whose leading blocks
