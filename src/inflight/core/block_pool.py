@@ -79,16 +79,15 @@ class BlockPool:
         return block
 
     def _pop(self) -> int:
-        if not self.free:
-            block, _ = self.evictable.popitem(last=False)
-            self._forget(block)
-            self.num_evicted += 1
-            self.free[block] = None
-            self.free.move_to_end(block, last=False)
-            companions = self.companions.pop(block, ())
-            self._evictable_companions -= len(companions)
-            self.free.update(dict.fromkeys(companions))
-        return self.free.popitem(last=False)[0]
+        if self.free:
+            return self.free.popitem(last=False)[0]
+        block, _ = self.evictable.popitem(last=False)
+        self._forget(block)
+        self.num_evicted += 1
+        companions = self.companions.pop(block, ())
+        self._evictable_companions -= len(companions)
+        self.free.update(dict.fromkeys(companions))
+        return block
 
     def keep_room_after(self, block: int, count: int) -> None:
         """Up to ``count`` plain free blocks right after ``block`` (up to the
@@ -165,8 +164,7 @@ class BlockPool:
         self.cached.clear()
         self.num_suffixed = 0
         for block in self.evictable:
-            self.free[block] = None
-            self.free.update(dict.fromkeys(self.companions.pop(block, ())))
+            self._append_free(block)
         self.evictable.clear()
         self._evictable_companions = 0
         return count
