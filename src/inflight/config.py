@@ -85,7 +85,9 @@ class EngineConfig:
     background_linger: float = 10.0
     # Load no tokenizer: prompts must then be token ids, outputs carry no text.
     skip_tokenizer_init: bool = False
-    # Torch intra-op threads; None keeps torch's default (one per core).
+    # Torch intra-op threads (and the C kernels'); None keeps torch's default
+    # (one per core), of which an engine process of its own (the server's)
+    # uses, step by step, those other processes leave free (worker.cpu_share).
     num_threads: int | None = None
     # "auto", "torch" (PyTorch reference kernels), "cpu" (C kernels, float32) or
     # "triton" (GPU kernels; on the CPU only in Triton's interpreter).

@@ -121,11 +121,13 @@ def serve_core(config: EngineConfig, context: zmq.Context, ops_address: str,
                events_address: str, *, max_queue_wait: float | None = None,
                count_tenants: bool = False,
                build: Callable[[EngineConfig], EngineCore] | None = None,
-               freeze_heap: bool = False) -> bool:
+               own_process: bool = False) -> bool:
     """Build the core and say so (CoreReady; or CoreFailed, and the error is
     raised), then run its loop until Shutdown. A failure of the loop is
     reported (CoreFailed) and ends it; returns whether it ended well.
-    ``freeze_heap``: the process is the core's own (``inflight.heap``)."""
+    ``own_process``: the process is the core's own: its start-up heap is
+    frozen (``inflight.heap``) and its CPU kernels use the cores other
+    processes leave free (``worker.cpu_share``)."""
     ops = context.socket(zmq.PULL)
     ops.connect(ops_address)
     events = context.socket(zmq.PUSH)
@@ -137,7 +139,7 @@ def serve_core(config: EngineConfig, context: zmq.Context, ops_address: str,
             from inflight.engine.factory import build_engine_core, model_source
 
             source = model_source(config)
-            core = build_engine_core(config, source=source)
+            core = build_engine_core(config, source=source, share_cores=own_process)
             model_dir = str(source.model_dir)
             logger.info("served a warm-up request in %.0f ms", 1000 * serve_warm_up_request(core))
         else:
@@ -148,7 +150,7 @@ def serve_core(config: EngineConfig, context: zmq.Context, ops_address: str,
         events.close()
         ops.close(linger=0)
         raise
-    if freeze_heap:
+    if own_process:
         logger.info("froze %d start-up objects out of the garbage collector's reach",
                     freeze_startup_heap())
         log_long_pauses()

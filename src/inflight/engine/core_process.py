@@ -53,7 +53,7 @@ def main() -> int:
     try:
         ok = serve_core(spec.config, context, spec.ops_address, spec.events_address,
                         max_queue_wait=spec.max_queue_wait, count_tenants=spec.count_tenants,
-                        freeze_heap=True)
+                        own_process=True)
     except BaseException:  # noqa: BLE001 - reported to the front end already
         logging.getLogger(__name__).exception("the engine core could not be built")
         ok = False

@@ -59,10 +59,13 @@ def model_source(config: EngineConfig) -> ModelSource:
 
 def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
                       runner: Runner | None = None, clock: Clock = time.time,
-                      source: ModelSource | None = None) -> EngineCore:
+                      source: ModelSource | None = None,
+                      share_cores: bool = False) -> EngineCore:
     """``model_stub`` puts a no-op model in the real runner (benchmarks of the
     machinery around the forward pass); ``runner`` replaces the real runner
-    altogether (a stub, a cost model)."""
+    altogether (a stub, a cost model). ``share_cores``: the process is the
+    core's own, and on the CPU its kernels use the cores other processes leave
+    free unless ``num_threads`` fixes their number (``worker.cpu_share``)."""
     from inflight.model.loader import model_display_name
 
     start = time.perf_counter()
@@ -75,7 +78,8 @@ def build_engine_core(config: EngineConfig, *, model_stub: bool = False,
         if model_stub:
             special = eos | (tokenizer.special_token_ids if tokenizer else frozenset())
             stub_token = next(t for t in range(model_config.vocab_size) if t not in special)
-        runner = load_runner(config, source.model_dir, model_config, stub_token_id=stub_token)
+        runner = load_runner(config, source.model_dir, model_config, stub_token_id=stub_token,
+                             share_cores=share_cores)
     structured = (None if tokenizer is None
                   else build_manager(tokenizer, model_config.vocab_size, eos))
     scheduler = build_scheduler(config, runner, clock,

@@ -31,6 +31,7 @@ from inflight.ops.cpu_ops import CpuOps, library_isa, load_library
 from inflight.ops.quant import QuantOps
 from inflight.ops.torch_ops import TorchOps
 from inflight.worker.cpu_setup import configure_cpu
+from inflight.worker.cpu_share import SharedCores
 from inflight.worker.cuda_graphs import cuda_graph_factory
 from inflight.worker.gpu_memory import kv_cache_budget, profile_step
 from inflight.worker.warm_up import warm_up_kernels
@@ -86,10 +87,13 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig,
 
 
 def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig, *,
-                stub_token_id: int | None = None) -> ModelRunner:
+                stub_token_id: int | None = None, share_cores: bool = False) -> ModelRunner:
     """The runner for ``config``; with ``stub_token_id``, a no-op model that
     always predicts that token stands in for the real one (benchmarks of the
-    machinery around the forward pass)."""
+    machinery around the forward pass). ``share_cores``: on the CPU, unless
+    ``num_threads`` fixes them, each step's threads are the cores other
+    processes leave free (``worker.cpu_share``; for a process of the
+    runner's own: the thread count is the computing thread's)."""
     device = resolve_device(config.device)
     if device.type == "cpu":
         configure_cpu(config.num_threads)
@@ -160,7 +164,10 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
                          block_size=config.block_size, device=device, dtype=dtype,
                          seed=config.seed, max_model_len=max_model_len,
                          num_parameters=num_parameters, weight_bytes=resident,
-                         kv_window=pools.window, window_pages=pools.window_pages)
+                         kv_window=pools.window, window_pages=pools.window_pages,
+                         cores=(SharedCores.of_host(torch.get_num_threads())
+                                if share_cores and device.type == "cpu"
+                                and config.num_threads is None else None))
     if device.type == "cuda" and stub_token_id is None:
         warm_up_kernels(model, backend, max_seq_len=max_model_len, block_size=config.block_size,
                         num_layers=model_config.num_hidden_layers,

@@ -38,6 +38,7 @@ from inflight.core.scheduler import PLACEHOLDER_TOKEN, SchedulerOutput
 from inflight.core.window_kv import NO_BLOCK
 from inflight.model.llama import Attention
 from inflight.ops.staging import HostStaging
+from inflight.worker.cpu_share import SharedCores
 from inflight.worker.cuda_graphs import DecodeGraphs, Graph
 from inflight.worker.runner import RunnerOutput, TokenLogprobs
 from inflight.worker.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
@@ -85,16 +86,19 @@ class ModelRunner:
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int,
                  max_model_len: int, num_parameters: int, weight_bytes: int = 0,
                  num_host_blocks: int = 0, kv_window: int | None = None,
-                 window_pages: int = 1) -> None:
+                 window_pages: int = 1, cores: SharedCores | None = None) -> None:
         """``num_parameters``: the model's, as stored (a tied embedding once),
         counted before its weights were packed; ``weight_bytes``: the memory its
         weights take as loaded (packed, quantized). With ``kv_window``, the
         layers with that sliding window keep only their window's KV
         (``core.window_kv``): ``num_blocks`` pages (and page 0) in the global
         layers' tensors hold blocks of either kind, the window layers in
-        ``window_pages`` groups, each on the global layers' tensors."""
+        ``window_pages`` groups, each on the global layers' tensors. With
+        ``cores``, each step runs on as many threads as it says (the CPU
+        kernels' threads, where their number is not fixed)."""
         cfg = model.config
         self._num_threads = torch.get_num_threads()  # (as configured by the loader)
+        self.cores = cores
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -250,6 +254,11 @@ class ModelRunner:
         share PyTorch's OpenMP runtime)."""
         torch.set_num_threads(self._num_threads)
 
+    def _use_free_cores(self) -> None:
+        """In the thread that computes, as many threads as ``cores`` says now."""
+        if self.cores is not None and (threads := self.cores.current()) != torch.get_num_threads():
+            torch.set_num_threads(threads)
+
     def prepare_step(self, out: SchedulerOutput) -> PreparedStep:
         """Read everything the step needs from ``out`` and its requests now;
         the step's ``launch`` and ``collect`` touch neither again (so that
@@ -272,6 +281,7 @@ class ModelRunner:
 
         @torch.inference_mode()
         def compute() -> SampledBatch | None:
+            self._use_free_cores()
             if bucket is not None:
                 ids, pos, index = self._stage(input_ids, [positions, sample_index], feedback)
                 logits = self.graphs.run(ids, pos, layout, bucket)

@@ -1,0 +1,105 @@
+"""How many threads the CPU kernels should use now: the cores this process may
+run on, less those that other processes keep busy.
+
+An OpenMP parallel region needs all of its threads on cores at once. When
+another process (the API server and its clients, on a small host) keeps a
+core busy, a region's second thread waits for that core or takes the first
+thread's, and every region of a step pays a hand-off between them: with a
+tiny model behind the server on two cores, steps on two threads took 1.4x
+the wall time of their CPU time, and the same steps on one thread ran at
+their offline speed (docs/benchmarks.md, "The engine's threads and the front
+end's cores"). So where the number of threads is not fixed (``num_threads``
+unset), the runner asks ``SharedCores`` before each step; it looks at the
+host at most every ``interval`` seconds. A look more than ``stale`` seconds
+after the one before (the engine was idle meanwhile: a client starting, say)
+only starts a new window: the load of a quiet spell says nothing of the
+next burst's, and the first steps of a burst (its prompts) keep the threads
+the last burst ended with.
+
+The load of the other processes is read from ``/proc/stat`` (the busy time
+of this process's CPUs) less this process's own CPU time. Where it cannot be
+read (not Linux), the number of threads stays fixed. The kernels' results
+do not depend on their number of threads (each output element is computed
+by one thread, in the same order), so a change between steps changes no
+token.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+# /proc/stat's per-CPU fields that count as busy: user, nice, system, irq,
+# softirq (not idle, iowait, or steal: time the hypervisor kept from us).
+_BUSY_FIELDS = (0, 1, 2, 5, 6)
+
+# How far the free cores must move from the current number of threads before
+# it changes: a front end on 0.6-0.8 of a core frees the second core's thread;
+# the figures jitter by a tenth or two from one look to the next.
+HYSTERESIS = 0.6
+
+
+def read_busy_seconds(cpus: set[int], path: str = "/proc/stat") -> float:
+    """The busy time, in seconds since boot, of the CPUs ``cpus`` together."""
+    ticks = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.startswith(b"cpu") or line[3:4] == b" ":
+                continue
+            name, *fields = line.split()
+            if int(name[3:]) in cpus:
+                ticks += sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class SharedCores:
+    """The number of threads to use: ``max_threads``, less the cores that other
+    processes kept busy over the last ``interval`` seconds (at least one).
+    ``busy`` (the busy seconds of this process's CPUs), ``own`` (this
+    process's CPU seconds) and ``clock`` are the host's by default."""
+
+    def __init__(self, max_threads: int, *, interval: float = 0.1, stale: float = 1.0,
+                 busy: Callable[[], float] | None = None,
+                 own: Callable[[], float] = time.process_time,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_threads < 1:
+            raise ValueError("max_threads must be >= 1")
+        self.max_threads = max_threads
+        self.interval = interval
+        self.stale = stale
+        if busy is None:
+            cpus = os.sched_getaffinity(0)
+            busy = lambda: read_busy_seconds(cpus)  # noqa: E731
+        self._busy, self._own, self._clock = busy, own, clock
+        self.threads = max_threads
+        self.others = 0.0  # cores the other processes kept busy, at the last look
+        self._last = self._look()
+
+    @classmethod
+    def of_host(cls, max_threads: int) -> SharedCores | None:
+        """One for this host, or None where its load cannot be read."""
+        try:
+            read_busy_seconds(os.sched_getaffinity(0))
+        except (OSError, ValueError, AttributeError):
+            return None
+        return cls(max_threads)
+
+    def _look(self) -> tuple[float, float, float]:
+        return self._clock(), self._busy(), self._own()
+
+    def current(self) -> int:
+        """The number of threads for the next step."""
+        now = self._clock()
+        if now - self._last[0] < self.interval or self.max_threads == 1:
+            return self.threads
+        then, (now, busy, own) = self._last, self._look()
+        self._last = (now, busy, own)
+        if now - then[0] > self.stale:
+            return self.threads
+        others = ((busy - then[1]) - (own - then[2])) / (now - then[0])
+        self.others = max(0.0, others)
+        free = self.max_threads - self.others
+        if abs(free - self.threads) >= HYSTERESIS:
+            self.threads = max(1, min(self.max_threads, round(free)))
+        return self.threads
