@@ -78,3 +78,53 @@ def test_requests_go_out_at_their_arrival_times_and_lateness_is_reported(tiny_mo
         assert len(sent) == 4 and max(sent[:2]) < 0.1 and min(sent[2:]) > 0
     finally:
         server.stop()
+
+
+def test_a_stream_cut_anywhere_counts_each_event_once():
+    """Events split across reads, several in one read, comments and an empty
+    choice: the client counts the chunks that carry text, and the usage."""
+    import asyncio
+    import json
+
+    import aiohttp
+    from aiohttp import web
+
+    from inflight.workload.arrivals import RequestSpec
+
+    events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": ""}]},
+              {"choices": [{"text": "bc"}]}, {"choices": [{"text": "d"}]},
+              {"choices": [], "usage": {"completion_tokens": 4}}]
+    body = (b": a comment\n\n" + b"".join(b"data: " + json.dumps(e).encode() + b"\n\n"
+                                            for e in events) + b"data: [DONE]\n\n")
+    cuts = [3, 9, 10, 40, 41, 42, 90, 150, len(body)]
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        start = 0
+        for end in cuts:
+            await response.write(body[start:end])
+            start = end
+            await asyncio.sleep(0.01)
+        await response.write_eof()
+        return response
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as http:
+                return await serving.send(http, f"http://127.0.0.1:{port}", "m",
+                                          RequestSpec("c", 0.0, "hi", 4))
+        finally:
+            await runner.cleanup()
+
+    result = asyncio.run(main())
+    assert result.ok and not result.error
+    assert result.output_tokens == 4
+    assert result.ttft is not None and len(result.chunk_gaps) == 2  # three chunks with text

@@ -26,26 +26,29 @@ class Host:
         self.own += seconds * own_cores
         self.busy += seconds * (own_cores + other_cores)
 
-    def cores(self, max_threads: int, interval: float = 0.1) -> SharedCores:
-        return SharedCores(max_threads, interval=interval, busy=lambda: self.busy,
-                           own=lambda: self.own, clock=lambda: self.now)
+    def cores(self, max_threads: int, num_cpus: int | None = None,
+              interval: float = 0.1) -> SharedCores:
+        return SharedCores(max_threads, num_cpus=num_cpus or max_threads, interval=interval,
+                           busy=lambda: self.busy, own=lambda: self.own,
+                           clock=lambda: self.now)
 
 
 def test_a_busy_core_elsewhere_takes_one_thread_and_gives_it_back_when_free() -> None:
     host = Host()
     cores = host.cores(2)
     assert cores.current() == 2
-    host.run(0.1, own_cores=1.3, other_cores=0.7)
+    host.run(0.125, own_cores=1.3, other_cores=0.7)
     assert cores.current() == 1
     assert cores.others == pytest.approx(0.7)
     # Within the hysteresis: a front end on half a core keeps the one thread.
-    host.run(0.1, own_cores=1.0, other_cores=0.5)
+    host.run(0.125, own_cores=1.0, other_cores=0.5)
     assert cores.current() == 1
-    host.run(0.1, own_cores=1.0, other_cores=0.1)
+    host.run(0.125, own_cores=1.0, other_cores=0.1)
     assert cores.current() == 2
     # ... and the two threads, too.
-    host.run(0.1, own_cores=1.5, other_cores=0.5)
+    host.run(0.125, own_cores=1.5, other_cores=0.5)
     assert cores.current() == 2
+    assert cores.others == pytest.approx(0.5)  # (it looked)
 
 
 def test_the_host_is_looked_at_once_an_interval() -> None:
@@ -77,6 +80,43 @@ def test_threads_are_the_free_cores_rounded_at_least_one(others: float, expected
     cores = host.cores(8)
     host.run(0.2, own_cores=1.0, other_cores=others)
     assert cores.current() == expected
+
+
+def test_threads_are_capped_by_the_cpus_less_the_load_not_by_the_threads_less_it() -> None:
+    # 16 CPUs (8 cores, two hardware threads each), 8 threads: a front end on
+    # one CPU leaves 15, and the 8 threads stay.
+    host = Host()
+    cores = host.cores(8, num_cpus=16)
+    host.run(0.125, own_cores=8.0, other_cores=1.0)
+    assert cores.current() == 8
+    host.run(0.125, own_cores=8.0, other_cores=9.5)
+    assert cores.current() == 6
+
+
+def test_a_host_of_many_cpus_is_looked_at_less_often() -> None:
+    assert SharedCores(2, num_cpus=2, busy=lambda: 0.0).interval == 0.1
+    assert SharedCores(64, num_cpus=64, busy=lambda: 0.0).interval == pytest.approx(0.32)
+
+
+def test_a_host_that_cannot_be_read_now_keeps_the_threads() -> None:
+    host = Host()
+    cores = host.cores(2)
+    host.run(0.125, own_cores=1.0, other_cores=1.0)
+    assert cores.current() == 1
+    broken = []
+
+    def busy() -> float:
+        if broken:
+            raise OSError("gone")
+        return host.busy
+
+    cores._busy = busy
+    broken.append(True)
+    host.run(0.125, own_cores=1.0, other_cores=0.0)
+    assert cores.current() == 1
+    broken.clear()
+    host.run(0.125, own_cores=1.0, other_cores=0.0)
+    assert cores.current() == 2
 
 
 def test_a_busy_time_below_our_own_counts_as_no_other_load() -> None:
@@ -165,6 +205,11 @@ def test_only_an_engine_process_of_its_own_lets_the_threads_follow_the_host(tiny
         own = build_engine_core(EngineConfig(model=model, dtype="float32"), share_cores=True)
         expected = SharedCores if SharedCores.of_host(1) is not None else type(None)
         assert isinstance(own.runner.cores, expected)
+        # PyTorch's kernels: their sums depend on their threads.
+        torch_kernels = build_engine_core(EngineConfig(model=model, dtype="float32",
+                                                       kernel_backend="torch"),
+                                          share_cores=True)
+        assert torch_kernels.runner.cores is None
         fixed = build_engine_core(EngineConfig(model=model, dtype="float32", num_threads=1),
                                   share_cores=True)
         assert fixed.runner.cores is None

@@ -10,18 +10,23 @@ the wall time of their CPU time, and the same steps on one thread ran at
 their offline speed (docs/benchmarks.md, "The engine's threads and the front
 end's cores"). So where the number of threads is not fixed (``num_threads``
 unset), the runner asks ``SharedCores`` before each step; it looks at the
-host at most every ``interval`` seconds. A look more than ``stale`` seconds
+host at most every ``interval`` seconds (0.1 s, longer on a host of many
+CPUs: ``/proc/stat`` counts each CPU's time in whole ticks, whose rounding
+adds up over CPUs). A look more than ``stale`` seconds
 after the one before (the engine was idle meanwhile: a client starting, say)
 only starts a new window: the load of a quiet spell says nothing of the
 next burst's, and the first steps of a burst (its prompts) keep the threads
 the last burst ended with.
 
 The load of the other processes is read from ``/proc/stat`` (the busy time
-of this process's CPUs) less this process's own CPU time. Where it cannot be
-read (not Linux), the number of threads stays fixed. The kernels' results
-do not depend on their number of threads (each output element is computed
-by one thread, in the same order), so a change between steps changes no
-token.
+of this process's CPUs) less this process's own CPU time; the threads are at
+most the CPUs less that load. Where it cannot be read (not Linux), the
+number of threads stays fixed. In a container whose ``/proc/stat`` numbers
+CPUs its own way (LXCFS), or that is held to a CPU quota, the other load
+reads as none and the threads stay as many as configured. The C kernels'
+results do not depend on their number of threads (each output element is
+computed by one thread, in the same order), so a change between steps
+changes no token; the loader shares cores only with them.
 """
 
 from __future__ import annotations
@@ -54,22 +59,27 @@ def read_busy_seconds(cpus: set[int], path: str = "/proc/stat") -> float:
 
 
 class SharedCores:
-    """The number of threads to use: ``max_threads``, less the cores that other
-    processes kept busy over the last ``interval`` seconds (at least one).
-    ``busy`` (the busy seconds of this process's CPUs), ``own`` (this
-    process's CPU seconds) and ``clock`` are the host's by default."""
+    """The number of threads to use: at most ``max_threads``, and at most the
+    ``num_cpus`` this process may run on less the cores that other processes
+    kept busy over the last ``interval`` seconds (at least one). ``busy``
+    (the busy seconds of those CPUs), ``own`` (this process's CPU seconds)
+    and ``clock`` are the host's by default."""
 
-    def __init__(self, max_threads: int, *, interval: float = 0.1, stale: float = 1.0,
+    def __init__(self, max_threads: int, *, num_cpus: int | None = None,
+                 interval: float | None = None, stale: float = 1.0,
                  busy: Callable[[], float] | None = None,
                  own: Callable[[], float] = time.process_time,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_threads < 1:
             raise ValueError("max_threads must be >= 1")
+        cpus = os.sched_getaffinity(0) if busy is None or num_cpus is None else set()
         self.max_threads = max_threads
-        self.interval = interval
-        self.stale = stale
+        self.num_cpus = len(cpus) if num_cpus is None else num_cpus
+        # (Each CPU's ticks round by up to one in a window: ~0.04 of a core
+        # per CPU at 0.1 s, adding up as the square root of their number.)
+        self.interval = max(0.1, 0.005 * self.num_cpus) if interval is None else interval
+        self.stale = max(stale, 2 * self.interval)
         if busy is None:
-            cpus = os.sched_getaffinity(0)
             busy = lambda: read_busy_seconds(cpus)  # noqa: E731
         self._busy, self._own, self._clock = busy, own, clock
         self.threads = max_threads
@@ -89,17 +99,22 @@ class SharedCores:
         return self._clock(), self._busy(), self._own()
 
     def current(self) -> int:
-        """The number of threads for the next step."""
+        """The number of threads for the next step (the last ones, where the
+        host cannot be read now)."""
         now = self._clock()
-        if now - self._last[0] < self.interval or self.max_threads == 1:
+        if now - self._last[0] < max(self.interval, 1e-9) or self.max_threads == 1:
             return self.threads
-        then, (now, busy, own) = self._last, self._look()
-        self._last = (now, busy, own)
+        try:
+            look = self._look()
+        except (OSError, ValueError):
+            return self.threads
+        then, self._last = self._last, look
+        now, busy, own = look
         if now - then[0] > self.stale:
             return self.threads
         others = ((busy - then[1]) - (own - then[2])) / (now - then[0])
         self.others = max(0.0, others)
-        free = self.max_threads - self.others
+        free = min(self.max_threads, self.num_cpus - self.others)
         if abs(free - self.threads) >= HYSTERESIS:
             self.threads = max(1, min(self.max_threads, round(free)))
         return self.threads

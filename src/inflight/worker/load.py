@@ -90,10 +90,12 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
                 stub_token_id: int | None = None, share_cores: bool = False) -> ModelRunner:
     """The runner for ``config``; with ``stub_token_id``, a no-op model that
     always predicts that token stands in for the real one (benchmarks of the
-    machinery around the forward pass). ``share_cores``: on the CPU, unless
-    ``num_threads`` fixes them, each step's threads are the cores other
-    processes leave free (``worker.cpu_share``; for a process of the
-    runner's own: the thread count is the computing thread's)."""
+    machinery around the forward pass). ``share_cores``: with the C kernels
+    (whose results do not depend on their number of threads, unlike
+    PyTorch's reductions and oneDNN's products), unless ``num_threads`` fixes
+    them, each step's threads are the cores other processes leave free
+    (``worker.cpu_share``; for a process of the runner's own: the thread
+    count is the computing thread's)."""
     device = resolve_device(config.device)
     if device.type == "cpu":
         configure_cpu(config.num_threads)
@@ -166,8 +168,8 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
                          num_parameters=num_parameters, weight_bytes=resident,
                          kv_window=pools.window, window_pages=pools.window_pages,
                          cores=(SharedCores.of_host(torch.get_num_threads())
-                                if share_cores and device.type == "cpu"
-                                and config.num_threads is None else None))
+                                if share_cores and c_kernels and config.num_threads is None
+                                else None))
     if device.type == "cuda" and stub_token_id is None:
         warm_up_kernels(model, backend, max_seq_len=max_model_len, block_size=config.block_size,
                         num_layers=model_config.num_hidden_layers,
