@@ -90,10 +90,9 @@ class SharedCores:
     def of_host(cls, max_threads: int) -> SharedCores | None:
         """One for this host, or None where its load cannot be read."""
         try:
-            read_busy_seconds(os.sched_getaffinity(0))
+            return cls(max_threads)  # (its first look reads the host)
         except (OSError, ValueError, AttributeError):
             return None
-        return cls(max_threads)
 
     def _look(self) -> tuple[float, float, float]:
         return self._clock(), self._busy(), self._own()
@@ -116,5 +115,5 @@ class SharedCores:
         self.others = max(0.0, others)
         free = min(self.max_threads, self.num_cpus - self.others)
         if abs(free - self.threads) >= HYSTERESIS:
-            self.threads = max(1, min(self.max_threads, round(free)))
+            self.threads = max(1, round(free))  # (free is at most max_threads)
         return self.threads
