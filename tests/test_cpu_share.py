@@ -172,9 +172,12 @@ class Alternating:
         return 1 + self.calls % 2
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype, async_scheduling", [("float32", False), ("bfloat16", False),
+                                                     ("float32", True)])
 def test_tokens_and_logprobs_do_not_depend_on_the_threads_of_each_step(
-        tiny_model, dtype: str) -> None:
+        tiny_model, dtype: str, async_scheduling: bool) -> None:
+    """(With async scheduling the steps compute on a thread of their own,
+    whose thread count is its own.)"""
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 370 + 5 for j in range(4 + 29 * i)]}
                for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -183,7 +186,8 @@ def test_tokens_and_logprobs_do_not_depend_on_the_threads_of_each_step(
     try:
         for alternate in (False, True):
             llm = LLM(str(tiny_model("llama-gqa")), dtype=dtype, num_threads=2,
-                      max_num_seqs=4, max_num_batched_tokens=64)
+                      max_num_seqs=4, max_num_batched_tokens=64,
+                      async_scheduling=async_scheduling)
             runner = llm.engine.runner
             runner.cores = Alternating() if alternate else None
             outs = llm.generate(prompts, params, use_tqdm=False)
