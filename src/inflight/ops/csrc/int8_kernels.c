@@ -132,12 +132,16 @@ static inline int32_t quad(const void *p)
 
 #if defined(INFLIGHT_AVX512_VNNI)
 
-#define A8_TILE 8  /* rows x panels of a tile, at most */
+#define A8_TILE 12  /* rows x panels of a tile, at most */
 /* Panels a unit of work takes when it has more than two rows, in tiles of up
- * to A8_WIDE_ROWS rows: each step's two weight vectors serve four rows (six
- * loads for eight dot products, against nine with one panel of eight rows). */
-#define A8_WIDE_PANELS 2
+ * to A8_WIDE_ROWS rows: each step's three weight vectors serve four rows (four
+ * row broadcasts for twelve dot products: a broadcast takes a vector pipe that
+ * vpdpbusd needs; with two panels, four for eight, layers ran 3-7 % slower on
+ * Zen 4 at 8-64 rows). */
+#define A8_WIDE_PANELS 3
 #define A8_WIDE_ROWS 4
+/* Rows of a one-panel tile (a matrix's last panels), at most. */
+#define A8_NARROW_ROWS 8
 
 /* `rows` rows from row0 against `panels` adjacent panels from column col,
  * read once; every `spacing`-th 64-byte step also prefetches the next line of
@@ -189,7 +193,7 @@ static inline __attribute__((always_inline)) void a8_tile(
  * rows; A8_WIDE_PANELS panels in tiles of up to A8_WIDE_ROWS near-equal row
  * counts, which (two tiles or more) prefetch their shares of the `next`
  * unit's panels (or NULL: linear_panel's reason); else (a matrix's last
- * panel) tiles of up to A8_TILE rows. */
+ * panel) tiles of up to A8_NARROW_ROWS rows. */
 static void a8_unit(const a8_rows *q, int64_t m, int64_t kp, const uint8_t *panel,
                     int64_t panel_bytes, int count, const float *scale, const float *bias,
                     float *y, int64_t n, int64_t col, const uint8_t *next)
@@ -230,7 +234,7 @@ static void a8_unit(const a8_rows *q, int64_t m, int64_t kp, const uint8_t *pane
         }
         return;
     }
-    const int64_t tiles = (m + A8_TILE - 1) / A8_TILE;
+    const int64_t tiles = (m + A8_NARROW_ROWS - 1) / A8_NARROW_ROWS;
     for (int p = 0; p < count; p++) {
         int64_t row = 0;
         for (int64_t t = 0; t < tiles; t++) {
