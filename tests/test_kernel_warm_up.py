@@ -7,8 +7,6 @@ specialization rules; and the staged step inputs are always 16-byte aligned."""
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 import torch
@@ -16,43 +14,9 @@ import torch
 from inflight import LLM, SamplingParams
 from inflight.ops.staging import aligned_offsets
 from inflight.worker.warm_up import warm_up_kernels
+from triton_launches import LaunchRecorder
 
 triton = pytest.importorskip("triton")
-
-
-class LaunchRecorder:
-    """Every interpreted kernel launch's configuration, as Triton keys its compiles."""
-
-    def __init__(self) -> None:
-        self.keys: set[tuple] = set()
-
-    def key(self, function, args: tuple, kwargs: dict) -> tuple:
-        from triton.backends.compiler import BaseBackend
-        from triton.runtime.jit import native_specialize_impl
-
-        params = list(inspect.signature(function.fn).parameters.values())
-        skip = set(function.kwargs.get("do_not_specialize") or ())
-        parts = []
-        for param, value in zip(params, args):
-            if "constexpr" in str(param.annotation):
-                parts.append((param.name, value))
-            elif not isinstance(value, float):
-                parts.append((param.name, native_specialize_impl(
-                    BaseBackend, value, False, param.name not in skip, True)))
-        return (function.fn.__name__, tuple(parts), tuple(sorted(
-            (k, v) for k, v in kwargs.items() if k not in ("grid", "warmup"))))
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        original = InterpretedFunction.run
-        recorder = self
-
-        def run(function, *args, **kwargs):
-            recorder.keys.add(recorder.key(function, args, kwargs))
-            return original(function, *args, **kwargs)
-
-        monkeypatch.setattr(InterpretedFunction, "run", run)
 
 
 def test_staged_arrays_start_16_byte_aligned():
