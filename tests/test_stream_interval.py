@@ -6,6 +6,8 @@ is the same whatever the interval."""
 
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -189,8 +191,11 @@ def test_a_server_streams_in_runs(tiny_model):
         # (A stream holds back bytes that are not yet whole UTF-8; the answer
         # decoded at once ends with them replaced.)
         assert whole["choices"][0]["text"].startswith("".join(c["text"] for c in choices))
-        # 1, then runs of 4 (merged where the reader fell behind), the end with the last.
-        assert 2 <= len(choices) <= 4 and len(choices[0]["logprobs"]["tokens"]) in (1, 5, 9)
+        # The engine sends token 1, then runs of 4 (5, 9), then the end (13); the
+        # server merges what its reader has not yet taken (on a loaded machine,
+        # at times all of it), so a chunk can end only there.
+        ends = set(itertools.accumulate(len(c["logprobs"]["tokens"]) for c in choices))
+        assert ends <= {1, 5, 9, 13}
         assert server.wait_idle()
     finally:
         server.stop()
