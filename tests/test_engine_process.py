@@ -201,14 +201,16 @@ def test_kill_9_of_the_engine_ends_requests_with_an_error_and_the_server(tiny_mo
                 pass
             time.sleep(0.02)
         assert unhealthy is not None and unhealthy < 1.0
+        # A new request is refused at once (asked before the reader is joined:
+        # the server exits DEAD_EXIT_DELAY_S after the death), then the server
+        # exits with status 1.
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       timeout=10)
+        assert r.status_code == 503
         reader.join(10)
         assert not reader.is_alive()
         assert events[-1] == "done" and "error" in events[-2], events[-2:]
         assert events[-2]["error"]["code"] == "engine_dead"
-        # A new request is refused at once, then the server exits with status 1.
-        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
-                       timeout=10)
-        assert r.status_code == 503
         assert server.process.wait(timeout=30) == 1
         assert "the engine stopped" in server.process.stderr.read()
     finally:

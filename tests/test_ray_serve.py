@@ -280,9 +280,14 @@ def test_a_killed_replica(deployment):
 
             async def kill() -> None:
                 await started.wait()
-                loads = in_flight((await http.get(f"{deployment}/metrics")).text)
-                home = max(loads, key=loads.__getitem__)
-                assert loads[home] == 2, loads  # the stream and the waiting request
+                # the stream and the waiting request, once the router has the second
+                for _ in range(300):
+                    loads = in_flight((await http.get(f"{deployment}/metrics")).text)
+                    home = max(loads, key=loads.__getitem__)
+                    if loads[home] == 2:
+                        break
+                    await asyncio.sleep(0.1)
+                assert loads[home] == 2, loads
                 actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#{home}",
                                       namespace="serve")
                 ray.kill(actor, no_restart=True)
