@@ -29,9 +29,9 @@ def ptxas_available() -> bool:
         from triton import knobs
 
         path = knobs.nvidia.ptxas.path
-    except (ImportError, AttributeError, RuntimeError):
+        return subprocess.run([path, "--version"], capture_output=True).returncode == 0
+    except (ImportError, AttributeError, RuntimeError, OSError):  # (OSError: it cannot run)
         return False
-    return subprocess.run([path, "--version"], capture_output=True).returncode == 0
 
 
 def compile_for_gpus(specs: list[dict[str, Any]], archs: list[int], work_dir: Path

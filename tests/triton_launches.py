@@ -30,7 +30,8 @@ class LaunchRecorder:
         from triton.backends.compiler import BaseBackend
         from triton.runtime.jit import native_specialize_impl
 
-        params = list(inspect.signature(function.fn).parameters.values())
+        signature_of_fn = inspect.signature(function.fn)
+        params = list(signature_of_fn.parameters.values())
         names = [p.name for p in params]
 
         def named(option: str) -> set[str]:
@@ -39,7 +40,7 @@ class LaunchRecorder:
 
         no_value, no_alignment = named("do_not_specialize"), named(
             "do_not_specialize_on_alignment")
-        call = inspect.signature(function.fn).bind(
+        call = signature_of_fn.bind(
             *args, **{k: v for k, v in kwargs.items() if k in names})
         call.apply_defaults()
         options = {k: v for k, v in kwargs.items() if k not in names}
