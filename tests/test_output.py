@@ -79,3 +79,36 @@ def test_a_stream_ending_mid_character_ends_as_the_whole_decode(tokenizer):
     assert stop == "two"
     assert detok.visible_text(tokenizer.encode("one two three", add_special_tokens=False),
                               finished=True) == "one "
+
+
+def test_streamed_outputs_carry_the_newest_timings(tokenizer):
+    """Deltas share one metrics object between timing updates (a sample's
+    first tokens, its end); each update shows in the next output, and the
+    final output's end does not reach back into the deltas already sent."""
+    from inflight.engine.messages import (CoreOutputs, CoreRequest, EngineLoad, SequenceOutput,
+                                          SequenceTiming)
+    from inflight.engine.output import OutputKind, OutputProcessor
+
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(n=2, max_tokens=3, temperature=1.0)
+    processor.add(CoreRequest(request_id="r", prompt_token_ids=[1, 2], sampling=params,
+                              max_tokens=3, arrival_time=1.0), None, OutputKind.DELTA)
+    token = tokenizer.encode(" the", add_special_tokens=False)[0]
+
+    def step(*updates: SequenceOutput):
+        return processor.process(CoreOutputs(list(updates), [], [], None, EngineLoad())).outputs
+
+    [first] = step(SequenceOutput("r#0", [token], timing=SequenceTiming(2.0, 3.0, 0)))
+    assert (first.metrics.first_scheduled_time, first.metrics.first_token_time) == (2.0, 3.0)
+    [second] = step(SequenceOutput("r#0", [token]))
+    assert second.metrics.first_token_time == 3.0
+    [third] = step(SequenceOutput("r#1", [token], timing=SequenceTiming(1.5, 2.5, 0)))
+    assert (third.metrics.first_scheduled_time, third.metrics.first_token_time) == (1.5, 2.5)
+    [last] = step(SequenceOutput("r#0", [token], finish_reason="length",
+                                 timing=SequenceTiming(2.0, 3.0, 0, finished_time=4.0)),
+                  SequenceOutput("r#1", [token, token], finish_reason="length",
+                                 timing=SequenceTiming(1.5, 2.5, 0, finished_time=5.0,
+                                                       num_preemptions=1)))
+    assert last.finished and last.metrics.finished_time == 5.0
+    assert last.metrics.num_preemptions == 1
+    assert all(o.metrics.finished_time is None for o in (first, second, third))

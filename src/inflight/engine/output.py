@@ -218,6 +218,9 @@ class _Group:
     return_logprobs: bool
     samples: list[_Sample] = field(default_factory=list)
     error: str | None = None
+    # The metrics of its outputs until a sample's timing changes (a stream's
+    # deltas share one object instead of building one a token).
+    metrics: RequestMetrics | None = None
 
     @property
     def ranked(self) -> bool:
@@ -320,6 +323,8 @@ class OutputProcessor:
             if sample.finished:  # a stop string ended it here; the core ran on
                 continue
             touched[group.request_id] = group
+            if update.timing is not None:
+                group.metrics = None
             try:
                 stop = self._take(sample, update)
             except Exception as e:  # noqa: BLE001 - one request fails, the others go on
@@ -459,21 +464,31 @@ class OutputProcessor:
                 finish_reason=sample.finish_reason, stop_reason=sample.stop_reason))
         if delta and not completions and not finished:
             return None
-        timings = [s.timing for s in group.samples if s.timing is not None]
-        metrics = RequestMetrics(
-            arrival_time=group.arrival_time,
-            first_scheduled_time=min((t.first_scheduled_time for t in timings
-                                      if t.first_scheduled_time), default=None),
-            first_token_time=min((t.first_token_time for t in timings if t.first_token_time),
-                                 default=None),
-            num_preemptions=sum(t.num_preemptions for t in timings),
-            num_cached_tokens=timings[0].num_cached_tokens if timings else 0)
-        if finished:
-            ends = [t.finished_time for t in timings if t.finished_time is not None]
-            ends += [s.finished_time for s in group.samples if s.finished_time is not None]
-            metrics.finished_time = max(ends, default=None)
-            metrics.history = sorted((t, event, detail, i) for i, s in enumerate(group.samples)
-                                     if s.timing is not None
-                                     for event, t, detail in s.timing.history or ())
+        metrics = group.metrics
+        if metrics is None or finished:
+            metrics = _metrics(group, finished)
+            group.metrics = None if finished else metrics
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              finished, metrics, group.error if finished else None)
+
+
+def _metrics(group: _Group, finished: bool) -> RequestMetrics:
+    """A request's metrics from its samples' timings (with its end and history
+    once finished)."""
+    timings = [s.timing for s in group.samples if s.timing is not None]
+    metrics = RequestMetrics(
+        arrival_time=group.arrival_time,
+        first_scheduled_time=min((t.first_scheduled_time for t in timings
+                                  if t.first_scheduled_time), default=None),
+        first_token_time=min((t.first_token_time for t in timings if t.first_token_time),
+                             default=None),
+        num_preemptions=sum(t.num_preemptions for t in timings),
+        num_cached_tokens=timings[0].num_cached_tokens if timings else 0)
+    if finished:
+        ends = [t.finished_time for t in timings if t.finished_time is not None]
+        ends += [s.finished_time for s in group.samples if s.finished_time is not None]
+        metrics.finished_time = max(ends, default=None)
+        metrics.history = sorted((t, event, detail, i) for i, s in enumerate(group.samples)
+                                 if s.timing is not None
+                                 for event, t, detail in s.timing.history or ())
+    return metrics

@@ -29,7 +29,7 @@ from inflight.server.batches import add_batch_routes
 from inflight.server.bodies import decode_json, validate_body, validation_message
 from inflight.server.dashboard import add_dashboard
 from inflight.server.errors import APIError, to_api_error
-from inflight.server.openai_serving import OpenAIServing, error_json
+from inflight.server.openai_serving import DONE, OpenAIServing, error_json
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def build_app(engine: EngineClient, *, model_name: str, metrics: MetricsSource,
 
     async def run(request: Request, stream: bool,
                   whole: Callable[[], Awaitable[BaseModel]],
-                  chunks: Callable[[], AsyncIterator[str]]) -> Response:
+                  chunks: Callable[[], AsyncIterator[bytes]]) -> Response:
         if stream:
             return await _stream_response(chunks())
         try:
@@ -201,26 +201,27 @@ class _Guard:
         await self.app(scope, receive, send)
 
 
-async def _stream_response(chunks: AsyncIterator[str]) -> Response:
+async def _stream_response(chunks: AsyncIterator[bytes]) -> Response:
     """Start the SSE stream once its first chunk is ready, so that errors before
     any output (bad input, backpressure, queue timeout) still get their status."""
     try:
         first = await chunks.__anext__()
     except StopAsyncIteration:
-        first = ""
+        first = b""
     except BaseException as e:
         await chunks.aclose()
         raise to_api_error(e) from e
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[bytes]:
         try:
             yield first
             async for chunk in chunks:
                 yield chunk
         except (QueueTimeoutError, EngineDeadError, RequestFailedError, RequestAbortedError) as e:
             err = to_api_error(e)
-            yield f"data: {json.dumps(error_json(str(err), err.kind, err.param, err.code))}\n\n"
-            yield "data: [DONE]\n\n"
+            event = json.dumps(error_json(str(err), err.kind, err.param, err.code))
+            yield f"data: {event}\n\n".encode()
+            yield DONE
         finally:
             await chunks.aclose()
 

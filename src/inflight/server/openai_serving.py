@@ -24,6 +24,9 @@ from inflight.server.tool_parsers import TOOL_PARSERS, ToolCallDelta, ToolCallSt
 # OpenAI's bodies cannot hold -inf: a token a grammar forbids reports this.
 MIN_LOGPROB = -9999.0
 
+# A stream's last event.
+DONE = b"data: [DONE]\n\n"
+
 
 # Deepest nesting of arrays and objects a request body may have (OpenAI's
 # bodies need fewer than ten levels).
@@ -317,7 +320,7 @@ class OpenAIServing:
                                     inflight=_history(outputs))
 
     async def completion_stream(self, req: p.CompletionRequest, request_id: str
-                                ) -> AsyncIterator[str]:
+                                ) -> AsyncIterator[bytes]:
         prompts, params = await asyncio.to_thread(self.completion_inputs, req)
         created = p.now()
         choices: dict[tuple[int, int], _Choice] = {}
@@ -339,25 +342,25 @@ class OpenAIServing:
                     logprobs = (_completion_logprobs(delta.token_ids, delta.logprobs,
                                                      delta.text_offset, req.logprobs)
                                 if req.logprobs is not None else None)
-                    parts.append(p.CompletionChoice(index=state.index, text=text,
-                                                    logprobs=logprobs,
-                                                    finish_reason=delta.finish_reason))
+                    parts.append(p.CompletionStreamChoice(index=state.index, text=text,
+                                                          logprobs=logprobs,
+                                                          finish_reason=delta.finish_reason))
                 if out.finished:
                     finals[i] = out
                 # The history goes with the last chunk: this one, unless usage follows.
                 last = out.finished and len(finals) == len(prompts) and not usage_chunk
                 if parts or last:
                     history = _history([finals[k] for k in sorted(finals)]) if last else None
-                    yield _sse(p.CompletionChunk(id=request_id, created=created,
-                                                 model=self.model_name, choices=parts,
-                                                 inflight=history))
+                    yield p.encode_chunk(p.CompletionChunk(
+                        id=request_id, created=created, model=self.model_name, choices=parts,
+                        inflight=history))
         outputs = [finals[i] for i in sorted(finals)]
         if usage_chunk:
             completion_tokens = sum(c.num_tokens for c in choices.values())
-            yield _sse(p.CompletionChunk(id=request_id, created=created, model=self.model_name,
-                                         choices=[], usage=_usage(outputs, completion_tokens),
-                                         inflight=_history(outputs)))
-        yield "data: [DONE]\n\n"
+            yield p.encode_chunk(p.CompletionChunk(
+                id=request_id, created=created, model=self.model_name, choices=[],
+                usage=_usage(outputs, completion_tokens), inflight=_history(outputs)))
+        yield DONE
 
     def _echo(self, out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -414,7 +417,8 @@ class OpenAIServing:
         return p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                         usage=_usage([final]), inflight=_history([final]))
 
-    async def chat_stream(self, req: p.ChatCompletionRequest, request_id: str) -> AsyncIterator[str]:
+    async def chat_stream(self, req: p.ChatCompletionRequest, request_id: str
+                          ) -> AsyncIterator[bytes]:
         prompt, params, plan = await asyncio.to_thread(self.chat_inputs, req)
         created = p.now()
         states = [_Choice(i) for i in range(req.n)]
@@ -422,9 +426,10 @@ class OpenAIServing:
         final = None
         usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(choices: list[p.ChatStreamChoice], **extra: Any) -> str:
-            return _sse(p.ChatCompletionChunk(id=request_id, created=created,
-                                              model=self.model_name, choices=choices, **extra))
+        def chunk(choices: list[p.ChatStreamChoice], **extra: Any) -> bytes:
+            return p.encode_chunk(p.ChatCompletionChunk(id=request_id, created=created,
+                                                        model=self.model_name, choices=choices,
+                                                        **extra))
 
         async with aclosing(self.engine.generate(prompt, params, request_id=request_id,
                                                  stream=True, **scheduling(req))) as outputs:
@@ -457,7 +462,7 @@ class OpenAIServing:
         if usage_chunk and final is not None:
             completion_tokens = sum(s.num_tokens for s in states)
             yield chunk([], usage=_usage([final], completion_tokens), inflight=_history([final]))
-        yield "data: [DONE]\n\n"
+        yield DONE
 
 
 def _chat_message(c: CompletionOutput, plan: ToolPlan) -> tuple[p.ChatMessageOut, str | None]:
@@ -544,10 +549,6 @@ def _usage(outputs: list[RequestOutput], completion_tokens: int | None = None) -
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
                    total_tokens=prompt + completion_tokens,
                    prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
-
-
-def _sse(chunk: Any) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
 
 
 def error_json(message: str, kind: str, param: str | None = None,

@@ -1,4 +1,5 @@
-"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models
+(streamed chunks: msgspec structs).
 
 Requests accept OpenAI's fields plus documented extensions (``priority``,
 ``deadline_ms``, ``expected_output_tokens``, ``cache_salt``, ``ignore_eos``,
@@ -15,6 +16,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 # Most samples one request may ask for.
@@ -289,12 +291,18 @@ class ChatCompletionResponse(BaseModel):
     inflight: dict[str, Any] | None = None
 
 
-class FunctionCallDelta(BaseModel):
+# Streamed chunks are msgspec structs: a stream encodes one per token or so,
+# where a pydantic model's validation and dump cost several times the rest of
+# the chunk's own work. Fields are encoded in order, None included (as the
+# pydantic responses are); pydantic objects inside (logprobs, usage) are
+# dumped by ``encode_chunk``'s hook.
+
+class FunctionCallDelta(msgspec.Struct, kw_only=True):
     name: str | None = None
     arguments: str | None = None
 
 
-class ToolCallDeltaOut(BaseModel):
+class ToolCallDeltaOut(msgspec.Struct, kw_only=True):
     """A piece of a streamed call: the first has ``id``, ``type`` and the
     function's name; the rest carry pieces of its arguments."""
 
@@ -304,20 +312,20 @@ class ToolCallDeltaOut(BaseModel):
     function: FunctionCallDelta
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDeltaOut] | None = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -327,14 +335,35 @@ class ChatCompletionChunk(BaseModel):
     inflight: dict[str, Any] | None = None
 
 
-class CompletionChunk(BaseModel):
+class CompletionStreamChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionChunk(msgspec.Struct, kw_only=True):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionStreamChoice]
     usage: Usage | None = None
     inflight: dict[str, Any] | None = None
+
+
+def _dump_model(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+_chunk_encoder = msgspec.json.Encoder(enc_hook=_dump_model)
+
+
+def encode_chunk(chunk: ChatCompletionChunk | CompletionChunk) -> bytes:
+    """A chunk as a server-sent event."""
+    return b"data: " + _chunk_encoder.encode(chunk) + b"\n\n"
 
 
 class ModelCard(BaseModel):
