@@ -162,13 +162,16 @@ static inline __attribute__((always_inline)) void a8_tile(
         for (int r = 0; r < rows; r++)
             for (int p = 0; p < panels; p++)
                 t[r * panels + p] = (v16i){0} - q->offset[(row0 + r) * blocks + b];
+        const uint8_t *wb = panel + b * A8_BLOCK_BYTES;
+        const int8_t *ab = q->a + row0 * kp + b * A8_BLOCK;
+#pragma GCC unroll 8
         for (int j = 0; j < A8_STEPS; j++) {
             prefetch_step(prefetch, panels, panel_bytes, b * A8_STEPS + j, spacing);
             for (int p = 0; p < panels; p++) {
-                const v16i w = *(const v16i *)(panel + p * panel_bytes + b * A8_BLOCK_BYTES +
-                                               j * LINEAR_STEP_BYTES) ^ (int32_t)0x80808080;
+                const v16i w = *(const v16i *)(wb + p * panel_bytes + j * LINEAR_STEP_BYTES)
+                               ^ (int32_t)0x80808080;
                 for (int r = 0; r < rows; r++) {
-                    const int32_t a = quad(q->a + (row0 + r) * kp + b * A8_BLOCK + 4 * j);
+                    const int32_t a = quad(ab + r * kp + 4 * j);
                     t[r * panels + p] = dot_u8s8_quads(t[r * panels + p], w, (v16i){0} + a);
                 }
             }
