@@ -134,10 +134,13 @@ static inline int32_t quad(const void *p)
 
 #define A8_TILE 12  /* rows x panels of a tile, at most */
 /* Panels a unit of work takes when it has more than two rows, in tiles of up
- * to A8_WIDE_ROWS rows: each step's three weight vectors serve four rows (four
- * row broadcasts for twelve dot products: a broadcast takes a vector pipe that
- * vpdpbusd needs; with two panels, four for eight, layers ran 3-7 % slower on
- * Zen 4 at 8-64 rows). */
+ * to A8_WIDE_ROWS rows: each step's three weight vectors serve four rows,
+ * twelve dot products a step against eight with two panels, over which the
+ * step's loads and loop work spread (two panels ran 3-7 % slower on Zen 4 at
+ * 8-64 rows). On Zen 4 a broadcast from memory takes a load port only
+ * (vpdpbusd kept its one a cycle with one beside each); what shares its pipes
+ * is each block's conversion and FMA of the sums, about a tenth of a block's
+ * time (12 FMAs beside 96 vpdpbusd). */
 #define A8_WIDE_PANELS 3
 #define A8_WIDE_ROWS 4
 /* Rows of a one-panel tile (a matrix's last panels), at most. */
