@@ -112,3 +112,35 @@ def test_streamed_outputs_carry_the_newest_timings(tokenizer):
     assert last.finished and last.metrics.finished_time == 5.0
     assert last.metrics.num_preemptions == 1
     assert all(o.metrics.finished_time is None for o in (first, second, third))
+
+
+def test_a_sample_stopped_here_keeps_the_cores_end_of_it(tokenizer):
+    """A sample that meets a stop string in the front end ends there; the
+    core's end of it (one step later, its tokens past the stop dropped) still
+    brings its timing: preemptions and history reach the request's metrics."""
+    from inflight.engine.messages import (CoreOutputs, CoreRequest, EngineLoad, SequenceOutput,
+                                          SequenceTiming)
+    from inflight.engine.output import OutputKind, OutputProcessor
+
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(n=2, max_tokens=8, temperature=1.0, stop=["cat"])
+    processor.add(CoreRequest(request_id="r", prompt_token_ids=[1, 2], sampling=params,
+                              max_tokens=8, arrival_time=1.0), None, OutputKind.FINAL)
+    [cat] = tokenizer.encode(" cat", add_special_tokens=False)
+    [the] = tokenizer.encode(" the", add_special_tokens=False)
+
+    def step(*updates: SequenceOutput):
+        return processor.process(CoreOutputs(list(updates), [], [], None, EngineLoad()))
+
+    stopped = step(SequenceOutput("r#0", [cat], timing=SequenceTiming(2.0, 3.0, 0)),
+                   SequenceOutput("r#1", [the], timing=SequenceTiming(2.0, 3.0, 0)))
+    assert stopped.stops == [("r#0", "cat")] and not stopped.outputs
+    step(SequenceOutput("r#0", [the], finish_reason="stop", stop_reason="cat",
+                        timing=SequenceTiming(2.0, 3.0, 0, finished_time=4.0, num_preemptions=1,
+                                              history=[("preempted", 3.5, "recompute")])),
+         SequenceOutput("r#1", [the]))
+    [final] = step(SequenceOutput("r#1", [the], finish_reason="length",
+                                  timing=SequenceTiming(2.0, 3.0, 0, finished_time=5.0))).outputs
+    assert final.finished and final.metrics.num_preemptions == 1
+    assert (3.5, "preempted", "recompute", 0) in final.metrics.history
+    assert final.outputs[0].finish_reason == "stop" and "cat" not in final.outputs[0].text

@@ -320,11 +320,12 @@ class OutputProcessor:
             if entry is None:
                 continue
             group, sample = entry
+            if update.timing is not None:  # (also the core's end of one stopped here)
+                sample.timing = update.timing
+                group.metrics = None
             if sample.finished:  # a stop string ended it here; the core ran on
                 continue
             touched[group.request_id] = group
-            if update.timing is not None:
-                group.metrics = None
             try:
                 stop = self._take(sample, update)
             except Exception as e:  # noqa: BLE001 - one request fails, the others go on
@@ -381,8 +382,6 @@ class OutputProcessor:
     def _take(self, sample: _Sample, update: SequenceOutput) -> str | None:
         """Take in a sequence's new tokens (detokenized one by one where text or
         logprobs are needed now); returns the stop string that ended it here."""
-        if update.timing is not None:
-            sample.timing = update.timing
         stop = None
         tokens = update.token_ids
         if sample.per_token:
