@@ -421,6 +421,32 @@ def test_sse_wire_format(server, model):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
 
 
+def test_streamed_chunks_encode_every_field_in_order():
+    """Chunks are msgspec structs: every field in OpenAI's order, None written
+    as null, pydantic parts (logprobs, usage) dumped in place, text as UTF-8."""
+    from inflight.server import protocol as p
+
+    usage = p.Usage(prompt_tokens=2, completion_tokens=1, total_tokens=3,
+                    prompt_tokens_details=p.PromptTokensDetails(cached_tokens=0))
+    text = p.CompletionChunk(id="cmpl-1", created=7, model="m", choices=[
+        p.CompletionStreamChoice(index=0, text=" é\n", logprobs=p.CompletionLogprobs(
+            tokens=[" é"], token_logprobs=[-0.5], text_offset=[0], top_logprobs=[None]))])
+    assert p.encode_chunk(text) == (
+        'data: {"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":'
+        '[{"index":0,"text":" é\\n","logprobs":{"text_offset":[0],"token_logprobs":[-0.5],'
+        '"tokens":[" é"],"top_logprobs":[null]},"finish_reason":null}],"usage":null,'
+        '"inflight":null}\n\n').encode()
+    role = p.ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=[
+        p.ChatStreamChoice(index=0, delta=p.ChatDelta(role="assistant", content=""))],
+        usage=usage)
+    assert p.encode_chunk(role) == (
+        'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m",'
+        '"choices":[{"index":0,"delta":{"role":"assistant","content":"","tool_calls":null},'
+        '"logprobs":null,"finish_reason":null}],"usage":{"prompt_tokens":2,'
+        '"completion_tokens":1,"total_tokens":3,"prompt_tokens_details":{"cached_tokens":0}},'
+        '"inflight":null}\n\n').encode()
+
+
 def test_sigterm_lets_in_flight_requests_finish(default_llm, tmp_path):
     import signal
     import subprocess
