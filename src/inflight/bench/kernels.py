@@ -9,8 +9,9 @@ of the model's shapes (its ``config.json`` only; no weights are loaded):
   thread (best of 7), what the memory-bound figures are held against;
 - ``linear``: one pass through the decoder's linear layers (every layer's
   q/k/v, output, gate/up and down matrices, packed as the engine packs them:
-  float32, or another weight format of ``ops.quant`` such as bf16 or w8a8)
-  with ``m`` rows, as weight bytes per second and FLOP/s;
+  float32, or another weight format of ``ops.quant`` such as bf16 or w8a8,
+  and on 2 MiB pages where the engine's lie) with ``m`` rows, as weight bytes
+  per second and FLOP/s;
 - ``decode attention``: ``S`` sequences of ``C`` cached tokens, one query each,
   over every layer's paged cache, as K/V bytes read per second, with each
   sequence's blocks ``random`` (drawn in a random order from the whole cache,
@@ -31,6 +32,7 @@ Each figure is the best of ``--repeats`` passes. The kernels are the build
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -43,6 +45,7 @@ from inflight.bench.timing import best_seconds
 from inflight.model.config import ModelConfig
 from inflight.model.loader import read_model_config, resolve_model_dir
 from inflight.ops.cpu_ops import CpuOps, library_isa, load_library
+from inflight.ops.huge_pages import HugePageBuffer, buffer_bytes, huge_pages_available
 from inflight.ops.quant import FORMAT_CODES, GGUF_FORMATS, QuantizedWeight, QuantOps
 
 BLOCK_ORDERS = ("random", "in order")
@@ -84,10 +87,24 @@ WEIGHT_FORMATS = ("float32", *(f for f in FORMAT_CODES if f not in GGUF_FORMATS)
                   *GGUF_FORMATS)
 
 
+def _on_huge_pages(packed: list[torch.Tensor | QuantizedWeight]
+                   ) -> list[torch.Tensor | QuantizedWeight]:
+    """The packed matrices copied onto huge pages, as the loader moves the
+    engine's (``model.weight_pages``; how fast a few rows' products stream
+    depends on it); as they are where the machine gives none."""
+    if not huge_pages_available():
+        return packed
+    buffer = HugePageBuffer(buffer_bytes([p.data if isinstance(p, QuantizedWeight) else p
+                                          for p in packed]))
+    return [dataclasses.replace(p, data=buffer.copy_in(p.data))
+            if isinstance(p, QuantizedWeight) else buffer.copy_in(p) for p in packed]
+
+
 def linear(ops: CpuOps | QuantOps, cfg: ModelConfig, rows: list[int], repeats: int,
            label: str = "") -> list[KernelResult]:
     shapes = decoder_shapes(cfg)
-    packed = [(n, ops.pack_weight(torch.randn(n, k))) for n, k in shapes]
+    weights = _on_huge_pages([ops.pack_weight(torch.randn(n, k)) for n, k in shapes])
+    packed = [(n, w) for (n, _), w in zip(shapes, weights)]
     nbytes = sum(p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * 4
                  for _, p in packed)
     flops_per_row = sum(2 * n * k for n, k in shapes)

@@ -37,6 +37,13 @@
 #define BF16_WIDE_ROWS 4
 /* Rows of a one-panel tile, at most: the most rows of any tile. */
 #define BF16_NARROW_ROWS 8
+/* Fewer rows than this take units of one panel, all rows in one tile: each
+ * thread reads its panels once, one after another, as a single stream. Units
+ * of four panels read four streams at once and, from five rows on (two
+ * tiles), each panel twice. On Zen 4, with the weights on 2 MiB pages, one to
+ * seven rows ran up to a quarter faster in units of one panel (four rows
+ * level), eight rows level (docs/benchmarks.md). */
+#define BF16_ONE_PANEL_ROWS 8
 
 /* `rows` rows of bf16 pairs (xb, `pairs` per row) against `panels` adjacent
  * panels from column col, read once; every `spacing`-th step also prefetches
@@ -67,23 +74,15 @@ static inline __attribute__((always_inline)) void dot_tile(
     }
 }
 
-/* All m rows against `count` adjacent panels: one tile for a decode's few
- * rows; four panels in tiles of up to BF16_WIDE_ROWS near-equal row counts,
- * which (two tiles or more) prefetch their shares of the `next` unit's
- * panels (or NULL: linear_panel's reason); else (the last panels of a matrix)
- * per panel tiles of up to 8 rows. */
+/* All m rows against `count` adjacent panels: four panels in tiles of up to
+ * BF16_WIDE_ROWS near-equal row counts, which (two tiles or more) prefetch
+ * their shares of the `next` unit's panels (or NULL: linear_panel's reason);
+ * else (units of one panel, the last panels of a matrix) per panel tiles of
+ * up to BF16_NARROW_ROWS rows. */
 static void dot_unit(const uint32_t *xb, int64_t pairs, int64_t m, const uint8_t *panel,
                      int64_t panel_bytes, int count, const float *bias, float *y, int64_t n,
                      int64_t col, const uint8_t *next)
 {
-    if (m == 1 && count == 4) {
-        dot_tile(xb, pairs, panel, panel_bytes, 4, bias, y, n, col, 1, NULL, 1);
-        return;
-    }
-    if (m == 2 && count == 2) {
-        dot_tile(xb, pairs, panel, panel_bytes, 2, bias, y, n, col, 2, NULL, 1);
-        return;
-    }
     if (count == BF16_WIDE_PANELS) {
         const int64_t tiles = (m + BF16_WIDE_ROWS - 1) / BF16_WIDE_ROWS;
         const int64_t spacing = prefetch_spacing(tiles);
@@ -151,8 +150,8 @@ int inflight_bf16_linear(const float *x, const uint8_t *packed, const float *bia
         if (k & 1)
             row[k] = 0;
     }
-    /* Panels per unit of work: a decode tile's, or BF16_WIDE_PANELS. */
-    const int64_t width = m == 1 ? 4 : m == 2 ? 2 : BF16_WIDE_PANELS;
+    /* Panels per unit of work. */
+    const int64_t width = m < BF16_ONE_PANEL_ROWS ? 1 : BF16_WIDE_PANELS;
     const int64_t units = (panels + width - 1) / width;
 #pragma omp parallel for schedule(static) if (m * n * k > PARALLEL_MIN_WORK)
     for (int64_t u = 0; u < units; u++) {

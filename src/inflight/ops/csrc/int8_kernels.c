@@ -143,8 +143,13 @@ static inline int32_t quad(const void *p)
  * time (12 FMAs beside 96 vpdpbusd). */
 #define A8_WIDE_PANELS 3
 #define A8_WIDE_ROWS 4
-/* Rows of a one-panel tile (a matrix's last panels), at most. */
+/* Rows of a one-panel tile, at most. */
 #define A8_NARROW_ROWS 8
+/* Fewer rows than this take units of one panel, all rows in one tile (as
+ * BF16_ONE_PANEL_ROWS in bf16_kernels.c): on Zen 4 one to seven rows ran
+ * 5-20 % faster in units of one panel, eight rows a fifth slower
+ * (docs/benchmarks.md). */
+#define A8_ONE_PANEL_ROWS 8
 
 /* `rows` rows from row0 against `panels` adjacent panels from column col,
  * read once; every `spacing`-th 64-byte step also prefetches the next line of
@@ -195,23 +200,15 @@ static inline __attribute__((always_inline)) void a8_tile(
     }
 }
 
-/* All m rows against `count` adjacent panels: one tile for a decode's few
- * rows; A8_WIDE_PANELS panels in tiles of up to A8_WIDE_ROWS near-equal row
- * counts, which (two tiles or more) prefetch their shares of the `next`
- * unit's panels (or NULL: linear_panel's reason); else (a matrix's last
- * panel) tiles of up to A8_NARROW_ROWS rows. */
+/* All m rows against `count` adjacent panels: A8_WIDE_PANELS panels in tiles
+ * of up to A8_WIDE_ROWS near-equal row counts, which (two tiles or more)
+ * prefetch their shares of the `next` unit's panels (or NULL: linear_panel's
+ * reason); else (units of one panel, a matrix's last panels) tiles of up to
+ * A8_NARROW_ROWS rows. */
 static void a8_unit(const a8_rows *q, int64_t m, int64_t kp, const uint8_t *panel,
                     int64_t panel_bytes, int count, const float *scale, const float *bias,
                     float *y, int64_t n, int64_t col, const uint8_t *next)
 {
-    if (m == 1 && count == 4) {
-        a8_tile(q, 0, kp, panel, panel_bytes, 4, scale, bias, y, n, col, 1, NULL, 1);
-        return;
-    }
-    if (m == 2 && count == 2) {
-        a8_tile(q, 0, kp, panel, panel_bytes, 2, scale, bias, y, n, col, 2, NULL, 1);
-        return;
-    }
     if (count == A8_WIDE_PANELS) {
         const int64_t tiles = (m + A8_WIDE_ROWS - 1) / A8_WIDE_ROWS;
         const int64_t steps = kp / 4, spacing = prefetch_spacing(tiles);
@@ -392,8 +389,8 @@ int inflight_w8a8_linear(const float *x, const uint8_t *packed, const float *sca
         q.offset = (int32_t *)(q.dx + m * blocks);
     quantize_rows(x, m, k, kp, &q);
 #ifdef INFLIGHT_AVX512_VNNI
-    /* Panels per unit of work: a decode tile's, or A8_WIDE_PANELS. */
-    const int64_t width = m == 1 ? 4 : m == 2 ? 2 : A8_WIDE_PANELS;
+    /* Panels per unit of work. */
+    const int64_t width = m < A8_ONE_PANEL_ROWS ? 1 : A8_WIDE_PANELS;
     const int64_t units = (panels + width - 1) / width;
 #pragma omp parallel for schedule(static) if (m * n * k > PARALLEL_MIN_WORK)
     for (int64_t u = 0; u < units; u++) {
