@@ -103,7 +103,7 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(fmt):
     packed, _ = quantized(fmt, torch.randn(100, 128))
     x = torch.randn(21, 128)
     together = ops.linear(x, packed, None, 100)
-    for size in (1, 3, 4, 9):
+    for size in (1, 2, 3, 4, 5, 6, 7, 9):
         for start in range(0, 21, size):
             part = ops.linear(x[start:start + size], packed, None, 100)
             assert torch.equal(part, together[start:start + size]), (size, start)

@@ -30,9 +30,10 @@
 /* Rows x panels of a tile, at most: as many float32 sums in flight (of 32
  * vector registers; the rest hold the step's weights and broadcast x). */
 #define BF16_TILE 16
-/* Panels a unit of work takes when it has more than two rows: each step's
- * four weight vectors serve up to four rows (eight loads for sixteen dot
- * products, against nine for eight with one panel of eight rows). */
+/* Panels a unit of work takes from BF16_ONE_PANEL_ROWS rows on, in tiles of
+ * three or four rows: each step's four weight vectors serve up to four rows
+ * (eight loads for sixteen dot products, against nine for eight with one panel
+ * of eight rows). */
 #define BF16_WIDE_PANELS 4
 #define BF16_WIDE_ROWS 4
 /* Rows of a one-panel tile, at most: the most rows of any tile. */
@@ -42,8 +43,12 @@
  * of four panels read four streams at once and, from five rows on (two
  * tiles), each panel twice. On Zen 4, with the weights on 2 MiB pages, one to
  * seven rows ran up to a quarter faster in units of one panel (four rows
- * level), eight rows level (docs/benchmarks.md). */
+ * level), eight rows level (docs/benchmarks.md, "CPU: a few rows' products
+ * one panel at a time"). */
 #define BF16_ONE_PANEL_ROWS 8
+_Static_assert(BF16_ONE_PANEL_ROWS - 1 <= BF16_NARROW_ROWS, "one tile holds a unit's rows");
+/* From six rows on, ceil(m / 4) tiles of near-equal rows have three or four. */
+_Static_assert(BF16_ONE_PANEL_ROWS >= 6 && BF16_WIDE_ROWS == 4, "wide tiles of 3 or 4 rows");
 
 /* `rows` rows of bf16 pairs (xb, `pairs` per row) against `panels` adjacent
  * panels from column col, read once; every `spacing`-th step also prefetches
@@ -74,11 +79,11 @@ static inline __attribute__((always_inline)) void dot_tile(
     }
 }
 
-/* All m rows against `count` adjacent panels: four panels in tiles of up to
- * BF16_WIDE_ROWS near-equal row counts, which (two tiles or more) prefetch
- * their shares of the `next` unit's panels (or NULL: linear_panel's reason);
- * else (units of one panel, the last panels of a matrix) per panel tiles of
- * up to BF16_NARROW_ROWS rows. */
+/* All m rows against `count` adjacent panels: BF16_WIDE_PANELS panels (from
+ * BF16_ONE_PANEL_ROWS rows on) in tiles of three or four rows, each of which
+ * prefetches its share of the `next` unit's panels (or NULL: none); else
+ * (units of one panel, the last panels of a matrix) per panel tiles of up to
+ * BF16_NARROW_ROWS rows. */
 static void dot_unit(const uint32_t *xb, int64_t pairs, int64_t m, const uint8_t *panel,
                      int64_t panel_bytes, int count, const float *bias, float *y, int64_t n,
                      int64_t col, const uint8_t *next)
@@ -86,8 +91,6 @@ static void dot_unit(const uint32_t *xb, int64_t pairs, int64_t m, const uint8_t
     if (count == BF16_WIDE_PANELS) {
         const int64_t tiles = (m + BF16_WIDE_ROWS - 1) / BF16_WIDE_ROWS;
         const int64_t spacing = prefetch_spacing(tiles);
-        if (tiles < 2)
-            next = NULL;
         int64_t row = 0;
         for (int64_t t = 0; t < tiles; t++) {
             const int rows = (int)(m / tiles + (t < m % tiles));
@@ -96,12 +99,10 @@ static void dot_unit(const uint32_t *xb, int64_t pairs, int64_t m, const uint8_t
             const uint8_t *pf = prefetch_share(next, t, pairs, spacing);
 #define WIDE_ROWS(r) dot_tile(xr, pairs, panel, panel_bytes, BF16_WIDE_PANELS, bias, yr, n, \
                               col, r, pf, spacing)
-            switch (rows) {
-            case 4: WIDE_ROWS(4); break;
-            case 3: WIDE_ROWS(3); break;
-            case 2: WIDE_ROWS(2); break;
-            default: WIDE_ROWS(1); break;
-            }
+            if (rows == 4)
+                WIDE_ROWS(4);
+            else
+                WIDE_ROWS(3);
 #undef WIDE_ROWS
             row += rows;
         }

@@ -133,8 +133,8 @@ static inline int32_t quad(const void *p)
 #if defined(INFLIGHT_AVX512_VNNI)
 
 #define A8_TILE 12  /* rows x panels of a tile, at most */
-/* Panels a unit of work takes when it has more than two rows, in tiles of up
- * to A8_WIDE_ROWS rows: each step's three weight vectors serve four rows,
+/* Panels a unit of work takes from A8_ONE_PANEL_ROWS rows on, in tiles of
+ * three or four rows: each step's three weight vectors serve four rows,
  * twelve dot products a step against eight with two panels, over which the
  * step's loads and loop work spread (two panels ran 3-7 % slower on Zen 4 at
  * 8-64 rows). On Zen 4 a broadcast from memory takes a load port only
@@ -147,9 +147,12 @@ static inline int32_t quad(const void *p)
 #define A8_NARROW_ROWS 8
 /* Fewer rows than this take units of one panel, all rows in one tile (as
  * BF16_ONE_PANEL_ROWS in bf16_kernels.c): on Zen 4 one to seven rows ran
- * 5-20 % faster in units of one panel, eight rows a fifth slower
- * (docs/benchmarks.md). */
+ * 5-30 % faster in units of one panel, eight rows a fifth slower
+ * (docs/benchmarks.md, "CPU: a few rows' products one panel at a time"). */
 #define A8_ONE_PANEL_ROWS 8
+_Static_assert(A8_ONE_PANEL_ROWS - 1 <= A8_NARROW_ROWS, "one tile holds a unit's rows");
+/* From six rows on, ceil(m / 4) tiles of near-equal rows have three or four. */
+_Static_assert(A8_ONE_PANEL_ROWS >= 6 && A8_WIDE_ROWS == 4, "wide tiles of 3 or 4 rows");
 
 /* `rows` rows from row0 against `panels` adjacent panels from column col,
  * read once; every `spacing`-th 64-byte step also prefetches the next line of
@@ -200,11 +203,11 @@ static inline __attribute__((always_inline)) void a8_tile(
     }
 }
 
-/* All m rows against `count` adjacent panels: A8_WIDE_PANELS panels in tiles
- * of up to A8_WIDE_ROWS near-equal row counts, which (two tiles or more)
- * prefetch their shares of the `next` unit's panels (or NULL: linear_panel's
- * reason); else (units of one panel, a matrix's last panels) tiles of up to
- * A8_NARROW_ROWS rows. */
+/* All m rows against `count` adjacent panels: A8_WIDE_PANELS panels (from
+ * A8_ONE_PANEL_ROWS rows on) in tiles of three or four rows, each of which
+ * prefetches its share of the `next` unit's panels (or NULL: none); else
+ * (units of one panel, a matrix's last panels) tiles of up to A8_NARROW_ROWS
+ * rows. */
 static void a8_unit(const a8_rows *q, int64_t m, int64_t kp, const uint8_t *panel,
                     int64_t panel_bytes, int count, const float *scale, const float *bias,
                     float *y, int64_t n, int64_t col, const uint8_t *next)
@@ -212,8 +215,6 @@ static void a8_unit(const a8_rows *q, int64_t m, int64_t kp, const uint8_t *pane
     if (count == A8_WIDE_PANELS) {
         const int64_t tiles = (m + A8_WIDE_ROWS - 1) / A8_WIDE_ROWS;
         const int64_t steps = kp / 4, spacing = prefetch_spacing(tiles);
-        if (tiles < 2)
-            next = NULL;
         int64_t row = 0;
         for (int64_t t = 0; t < tiles; t++) {
             const int rows = (int)(m / tiles + (t < m % tiles));
@@ -226,12 +227,10 @@ static void a8_unit(const a8_rows *q, int64_t m, int64_t kp, const uint8_t *pane
                     __builtin_prefetch(y + r * n + col + p * LINEAR_NR, 1, 3);
 #define A8_WIDE(r) a8_tile(q, row, kp, panel, panel_bytes, A8_WIDE_PANELS, scale, bias, y, \
                            n, col, r, pf, spacing)
-            switch (rows) {
-            case 4: A8_WIDE(4); break;
-            case 3: A8_WIDE(3); break;
-            case 2: A8_WIDE(2); break;
-            default: A8_WIDE(1); break;
-            }
+            if (rows == 4)
+                A8_WIDE(4);
+            else
+                A8_WIDE(3);
 #undef A8_WIDE
             row += rows;
         }
