@@ -32,7 +32,6 @@ Each figure is the best of ``--repeats`` passes. The kernels are the build
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -44,6 +43,7 @@ import torch
 from inflight.bench.timing import best_seconds
 from inflight.model.config import ModelConfig
 from inflight.model.loader import read_model_config, resolve_model_dir
+from inflight.model.weight_pages import copy_packed, packed_array
 from inflight.ops.cpu_ops import CpuOps, library_isa, load_library
 from inflight.ops.huge_pages import HugePageBuffer, buffer_bytes, huge_pages_available
 from inflight.ops.quant import FORMAT_CODES, GGUF_FORMATS, QuantizedWeight, QuantOps
@@ -94,10 +94,8 @@ def _on_huge_pages(packed: list[torch.Tensor | QuantizedWeight]
     depends on it); as they are where the machine gives none."""
     if not huge_pages_available():
         return packed
-    buffer = HugePageBuffer(buffer_bytes([p.data if isinstance(p, QuantizedWeight) else p
-                                          for p in packed]))
-    return [dataclasses.replace(p, data=buffer.copy_in(p.data))
-            if isinstance(p, QuantizedWeight) else buffer.copy_in(p) for p in packed]
+    buffer = HugePageBuffer(buffer_bytes([packed_array(p) for p in packed]))
+    return [copy_packed(buffer, p) for p in packed]
 
 
 def linear(ops: CpuOps | QuantOps, cfg: ModelConfig, rows: list[int], repeats: int,

@@ -15,8 +15,15 @@ from inflight.ops.huge_pages import (HugePageBuffer, buffer_bytes, huge_page_byt
 from inflight.ops.quant import QuantizedWeight
 
 
-def _array(packed: Any) -> Any:
+def packed_array(packed: Any) -> Any:
+    """The array a packed matrix keeps its panels in (float32 panels are one)."""
     return packed.data if isinstance(packed, QuantizedWeight) else packed
+
+
+def copy_packed(buffer: HugePageBuffer, packed: Any) -> Any:
+    """``packed`` with its array copied into ``buffer``."""
+    copy = buffer.copy_in(packed_array(packed))
+    return dataclasses.replace(packed, data=copy) if isinstance(packed, QuantizedWeight) else copy
 
 
 def move_packed_weights_to_huge_pages(model: nn.Module) -> int:
@@ -31,12 +38,11 @@ def move_packed_weights_to_huge_pages(model: nn.Module) -> int:
     pending = list({id(m.packed): m.packed for m in modules}.values())
     if not pending:
         return 0
-    size = buffer_bytes([_array(p) for p in pending])
+    size = buffer_bytes([packed_array(p) for p in pending])
     buffer = HugePageBuffer(size)
     while pending:
         old = pending.pop()
-        copy = buffer.copy_in(_array(old))
-        new = dataclasses.replace(old, data=copy) if isinstance(old, QuantizedWeight) else copy
+        new = copy_packed(buffer, old)
         for module in modules:
             if module.packed is old:
                 module.move_packed(new)
