@@ -9,7 +9,7 @@ and gives its local and global layers their own rope bases (and scaling)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -122,6 +122,13 @@ class GemmaForCausalLM(CheckpointLoading):
             cap = self.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def greedy_head(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+        """As ``LlamaForCausalLM.greedy_head``, where the logits are not soft-capped
+        (a cap can round the largest ones to one value: the first of them wins)."""
+        if self.final_logit_softcap is not None or not self.lm_head.computes_greedy:
+            return None
+        return self.lm_head.greedy
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      set_elsewhere: frozenset[str] = frozenset()) -> None:

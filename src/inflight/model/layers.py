@@ -61,6 +61,17 @@ class Linear(nn.Module):
             return self._ops.linear(x, self._packed, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
 
+    @property
+    def computes_greedy(self) -> bool:
+        """Whether ``greedy`` runs here: the ops find a product's greedy tokens
+        without writing its values out (the CPU kernels)."""
+        return self._ops is not None and hasattr(self._ops, "greedy")
+
+    def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's greedy token (the first index of its largest output) and
+        whether its outputs were all finite."""
+        return self._ops.greedy(x, self._packed, self.bias, self.out_features)
+
 
 def pack_linear_weights(model: nn.Module, ops: LinearOps) -> None:
     """Hand every Linear of ``model`` not packed yet to ``ops``."""

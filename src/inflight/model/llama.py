@@ -148,3 +148,10 @@ class LlamaForCausalLM(CheckpointLoading):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def greedy_head(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+        """Hidden rows -> each row's greedy token and whether its logits were
+        all finite, without the logits, where the output layer computes that
+        (``Linear.greedy``); else None. A family whose logits are not the
+        output layer's alone says None."""
+        return self.lm_head.greedy if self.lm_head.computes_greedy else None

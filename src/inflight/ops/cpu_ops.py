@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = cpu_isa.PROBE.parent
 SOURCES = [CSRC / name for name in ("cpu_kernels.c", "attention_bf16.c", "quant_kernels.c",
-                                    "bf16_kernels.c", "int8_kernels.c", "layer_kernels.c")]
+                                    "bf16_kernels.c", "int8_kernels.c", "layer_kernels.c",
+                                    "greedy_head.c")]
 HEADERS = [CSRC / name for name in ("kernels.h", "linear_kernel.h", "isa.h", "bf16.h",
                                     "attention.h")]
 LINEAR_PANEL = 16  # LINEAR_NR in the C source: output columns per packed weight panel
@@ -57,7 +58,30 @@ _SIGNATURES = {
                                              _i64]),
     "inflight_quant_embedding": (None, [_i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64]),
     "inflight_decoder_layers": (ctypes.c_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
+    "inflight_greedy_linear": (ctypes.c_int, [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
+                                              _ptr, _ptr]),
 }
+# inflight_greedy_linear's format code for float32 panels (GREEDY_F32 in kernels.h).
+GREEDY_F32 = -1
+
+
+def greedy_linear(lib: ctypes.CDLL, fmt: int, x: torch.Tensor, packed: torch.Tensor,
+                  scale: torch.Tensor | None, bias: torch.Tensor | None, out_features: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's greedy token of ``x @ W.T + bias`` (the first index of its
+    largest value) and whether all its values were finite, without the
+    values themselves (``csrc/greedy_head.c``)."""
+    x = x.contiguous()
+    m, k = x.shape
+    tokens = torch.empty(m, dtype=torch.int64)
+    finite = torch.empty(m, dtype=torch.bool)
+    status = lib.inflight_greedy_linear(fmt, x.data_ptr(), packed.data_ptr(),
+                                        None if scale is None else scale.data_ptr(),
+                                        None if bias is None else bias.data_ptr(), m,
+                                        out_features, k, tokens.data_ptr(), finite.data_ptr())
+    if status != 0:
+        raise MemoryError("the greedy output layer could not allocate its scratch memory")
+    return tokens, finite
 
 
 def load_library(isa: str | None = None) -> ctypes.CDLL | None:
@@ -157,6 +181,11 @@ class CpuOps(TorchOps):
         self._linear(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                      out.data_ptr(), x.shape[0], out_features, x.shape[1])
         return out
+
+    def greedy(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``linear``'s greedy tokens and finiteness per row (``greedy_linear``)."""
+        return greedy_linear(self.lib, GREEDY_F32, x, packed, None, bias, out_features)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

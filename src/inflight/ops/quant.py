@@ -25,6 +25,8 @@ import gguf
 import numpy as np
 import torch
 
+from inflight.ops.cpu_ops import greedy_linear
+
 PANEL = 16  # LINEAR_NR in the C source
 BLOCK = 32  # weights per GGUF block; activations per int8 scale in w8a8
 # Format name -> the C kernels' format code.
@@ -156,6 +158,7 @@ class QuantOps:
             raise ValueError(f"unknown quantization format {fmt!r}; supported: "
                              f"{', '.join(FORMAT_CODES)}")
         self.format = fmt
+        self._lib = lib
         self._linear = lib.inflight_quant_linear
         self._embedding = lib.inflight_quant_embedding
 
@@ -180,6 +183,13 @@ class QuantOps:
         if status != 0:
             raise MemoryError("the quantized linear kernel could not allocate its scratch memory")
         return out
+
+    def greedy(self, x: torch.Tensor, packed: QuantizedWeight, bias: torch.Tensor | None,
+               out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``linear``'s greedy tokens and finiteness per row, without its values
+        (``cpu_ops.greedy_linear``)."""
+        return greedy_linear(self._lib, _code_of(packed), x, packed.data, packed.scale, bias,
+                             out_features)
 
     def embedding(self, ids: torch.Tensor, packed: QuantizedWeight) -> torch.Tensor:
         """Rows ``ids`` of the weight, as float32 (an embedding tied to it)."""

@@ -278,6 +278,8 @@ class ModelRunner:
                            else None)
         sample_index = np.array(sample_rows, dtype=np.int64)
         feedback = self._feedback(out, input_ids, layout)
+        greedy_head = (self._greedy_head() if bucket is None and rows
+                       and Sampler.plain_greedy(rows) else None)
 
         @torch.inference_mode()
         def compute() -> SampledBatch | None:
@@ -287,6 +289,10 @@ class ModelRunner:
                 logits = self.graphs.run(ids, pos, layout, bucket)
                 if len(sample_rows) < num_rows:
                     logits = logits[index]
+            elif greedy_head is not None:
+                return Sampler.greedy_batch(*self._forward(input_ids, positions, layout,
+                                                           logit_positions, feedback,
+                                                           greedy_head))
             else:
                 logits = self._forward(input_ids, positions, layout, logit_positions, feedback)
             return self.sampler.sample_deferred(logits, rows, bitmask) if sample_rows else None
@@ -299,6 +305,12 @@ class ModelRunner:
                         {out.requests[i].request_id: j for j, i in enumerate(sample_rows)})
         self._last_step = PreparedStep(sampled_rows, compute, collect)
         return self._last_step
+
+    def _greedy_head(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+        """The model's output layer for plain greedy steps, where it finds the
+        tokens without the logits (``LlamaForCausalLM.greedy_head``)."""
+        greedy_head = getattr(self.model, "greedy_head", None)
+        return greedy_head() if greedy_head is not None else None
 
     def _feedback(self, out: SchedulerOutput, input_ids: np.ndarray,
                   layout: BatchLayout) -> _Feedback | None:
@@ -409,10 +421,10 @@ class ModelRunner:
         return np.concatenate(logprobs).astype(np.float64)
 
     def _forward(self, input_ids: np.ndarray, positions: np.ndarray, layout: BatchLayout,
-                 logits_index: np.ndarray, feedback: _Feedback | None = None
-                 ) -> torch.Tensor | None:
+                 logits_index: np.ndarray, feedback: _Feedback | None = None,
+                 head: Callable[[torch.Tensor], Any] | None = None) -> Any:
         """One eager step; the logits of the tokens at ``logits_index`` (None if
-        there are none)."""
+        there are none), or what ``head`` makes of their hidden states."""
         ids, pos, index = self._stage(input_ids, [positions, logits_index], feedback)
         metadata = self.backend.build_metadata(layout, self.device)
         if layout.windows:
@@ -423,7 +435,7 @@ class ModelRunner:
             return None
         # The indices rise within [0, T): T of them is every token (a decode
         # step), and the gather would only copy.
-        return self.model.compute_logits(
+        return (head or self.model.compute_logits)(
             hidden if logits_index.size == hidden.shape[0] else hidden[index])
 
 

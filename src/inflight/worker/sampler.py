@@ -136,6 +136,21 @@ class Sampler:
         return SampledBatch(tokens, want_logprobs, top, finite)
 
     @staticmethod
+    def plain_greedy(rows: list[SamplingRow]) -> bool:
+        """Whether every row takes its most likely token and asks nothing else
+        of its logits (log-probabilities, penalties, bans, a grammar): all that
+        an output layer that finds greedy tokens without the logits
+        (``greedy_head``) gives."""
+        return all(r.params.greedy and r.params.logprobs is None and not r.has_penalties
+                   and not r.banned_token_ids and r.bitmask_row is None for r in rows)
+
+    @staticmethod
+    def greedy_batch(tokens: torch.Tensor, finite: torch.Tensor) -> SampledBatch:
+        """The samples of plain greedy rows (``plain_greedy``) from their tokens
+        and which rows' logits were all finite."""
+        return SampledBatch(tokens, [None] * tokens.shape[0], None, finite)
+
+    @staticmethod
     def _ban(logits: torch.Tensor, i: int, token_ids: list[int], constrained: bool) -> None:
         """Forbid ``token_ids`` in row ``i``, unless the row's grammar allows
         nothing else (it has ended): the grammar wins over ``min_tokens``."""

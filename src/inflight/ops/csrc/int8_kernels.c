@@ -363,6 +363,11 @@ static inline int64_t padded_k(int64_t k)
     return (k + A8_BLOCK - 1) / A8_BLOCK * A8_BLOCK;
 }
 
+int64_t inflight_w8a8_panel_bytes(int64_t k)
+{
+    return padded_k(k) * LINEAR_NR;
+}
+
 int inflight_w8a8_linear(const float *x, const uint8_t *packed, const float *scale,
                          const float *bias, float *y, int64_t m, int64_t n, int64_t k)
 {

@@ -37,5 +37,17 @@ int inflight_w8a8_linear(const float *x, const uint8_t *packed, const float *sca
                          const float *bias, float *y, int64_t m, int64_t n, int64_t k);
 void inflight_w8a8_row(const uint8_t *packed, const float *scale, int64_t k, int64_t id,
                        float *out);
+int64_t inflight_w8a8_panel_bytes(int64_t k);
+/* quant_kernels.c: the bytes of one panel (16 output columns) of a weight of K
+ * inputs in format fmt (a QUANT_* code). */
+int64_t inflight_panel_bytes(int64_t fmt, int64_t k);
+/* greedy_head.c: each row's greedy token of x W^T + bias (the first index of
+ * its largest value) and whether all its values were finite, without writing
+ * them out; fmt a QUANT_* code, or GREEDY_F32 for float32 panels. 0, or -1 if
+ * scratch memory ran out. */
+#define GREEDY_F32 -1
+int inflight_greedy_linear(int64_t fmt, const float *x, const uint8_t *packed, const float *scale,
+                           const float *bias, int64_t m, int64_t n, int64_t k, int64_t *tokens,
+                           uint8_t *finite);
 
 #endif

@@ -440,6 +440,15 @@ static int gguf_linear(int fmt, const float *x, const uint8_t *packed, const flo
 /* y[M, N] = x[M, K] . W^T (+ bias) for W packed in format fmt (scale: the
  * int8 and W8A8 column scales, padded to whole panels). Returns -1 if scratch
  * memory ran out, -2 for an unknown format. */
+int64_t inflight_panel_bytes(int64_t fmt, int64_t k)
+{
+    switch (fmt) {
+    case QUANT_BF16: return panel_steps(WEIGHTS_BF16, k) * LINEAR_STEP_BYTES;
+    case QUANT_W8A8: return inflight_w8a8_panel_bytes(k);
+    default: return panel_bytes_of(fmt, k);
+    }
+}
+
 int inflight_quant_linear(int64_t fmt, const float *x, const uint8_t *packed, const float *scale,
                           const float *bias, float *y, int64_t m, int64_t n, int64_t k)
 {

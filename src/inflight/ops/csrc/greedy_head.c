@@ -1,0 +1,143 @@
+/* The greedy token of each row of a linear layer's output (the output layer's
+ * logits), without writing the logits out: each thread computes a block of
+ * columns into a scratch buffer that stays in its L2 cache, with the format's
+ * own kernel, and keeps each row's largest value, where it first occurs, and
+ * whether any value was not finite. With a 49,152-token vocabulary the logits
+ * of 64 rows are 12.6 MB, written and read twice more (the sampler's
+ * finiteness check, then its argmax) where this reads the weights alone.
+ *
+ * Each column is computed by the same code, in the same order, as the whole
+ * product computes it (the kernels' results depend on neither the batch nor
+ * the columns around them), so the token is the first index of the logits'
+ * maximum, as NumPy's argmax finds it.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "linear_kernel.h"
+
+/* A block's logits at most (floats, per thread): 256 KiB, within L2. */
+#define GREEDY_SCRATCH_FLOATS 65536
+/* Columns of a block: a multiple of this (whole units of four panels). */
+#define GREEDY_COLUMN_STEP 64
+
+/* Row `cols` logits y (columns col0 + j): the largest, where it first is, and
+ * whether they were all finite (as the sampler asks it: whether their sum is). */
+static void scan_row(const float *y, int64_t cols, int64_t col0, float *best, int64_t *where,
+                     uint8_t *bad)
+{
+    v16f top = (v16f){0} - __builtin_inff(), sum = {0};
+    v16i at = {0};
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    int64_t j = 0;
+    for (; j + 16 <= cols; j += 16) {
+        v16f v;
+        memcpy(&v, y + j, sizeof v);
+        const v16i greater = v > top;  /* (NaN: never) */
+        top = (v16f)(((v16i)v & greater) | ((v16i)top & ~greater));
+        at = ((lane + (int32_t)j) & greater) | (at & ~greater);
+        sum += v;
+    }
+    float b = -__builtin_inff(), total = 0.0f;
+    int64_t w = 0;
+    for (int l = 0; l < 16; l++) {
+        if (top[l] > b || (top[l] == b && at[l] < w)) {
+            b = top[l];
+            w = at[l];
+        }
+        total += sum[l];
+    }
+    for (; j < cols; j++) {
+        if (y[j] > b) {
+            b = y[j];
+            w = j;
+        }
+        total += y[j];
+    }
+    *best = b;
+    *where = col0 + w;
+    *bad = !(total - total == 0);
+}
+
+/* Columns [col, col + cols) of x W^T + bias into y (rows `cols` apart), by
+ * the format's kernel on this thread; 0, or the kernel's error. */
+static int block_product(int64_t fmt, const float *x, const uint8_t *packed,
+                         int64_t panel_bytes, const float *scale, const float *bias, float *y,
+                         int64_t m, int64_t col, int64_t cols, int64_t k)
+{
+    const uint8_t *panels = packed + col / LINEAR_NR * panel_bytes;
+    const float *b = bias ? bias + col : NULL;
+    if (fmt == GREEDY_F32) {
+        inflight_linear_f32(x, (const float *)panels, b, y, m, cols, k);
+        return 0;
+    }
+    return inflight_quant_linear(fmt, x, panels, scale ? scale + col : NULL, b, y, m, cols, k);
+}
+
+int inflight_greedy_linear(int64_t fmt, const float *x, const uint8_t *packed, const float *scale,
+                           const float *bias, int64_t m, int64_t n, int64_t k, int64_t *tokens,
+                           uint8_t *finite)
+{
+    const int64_t panel_bytes = fmt == GREEDY_F32 ? k * LINEAR_NR * (int64_t)sizeof(float)
+                                                  : inflight_panel_bytes(fmt, k);
+    /* Blocks as wide as the scratch holds, and at least one a thread. */
+    const int64_t threads = m * n * k > PARALLEL_MIN_WORK ? omp_get_max_threads() : 1;
+    const int64_t share = (n + threads - 1) / threads;
+    int64_t width = GREEDY_SCRATCH_FLOATS / (m > 0 ? m : 1);
+    width = share < width ? share : width;
+    width = (width + GREEDY_COLUMN_STEP - 1) / GREEDY_COLUMN_STEP * GREEDY_COLUMN_STEP;
+    const int64_t blocks = (n + width - 1) / width;
+    float *best = malloc((size_t)(blocks * m) * sizeof(float));
+    int64_t *where = malloc((size_t)(blocks * m) * sizeof(int64_t));
+    uint8_t *bad = malloc((size_t)(blocks * m));
+    int failed = best == NULL || where == NULL || bad == NULL;
+    if (!failed) {
+#pragma omp parallel if (m * n * k > PARALLEL_MIN_WORK)
+        {
+            /* The kernels' own parallel loops run on this thread alone. */
+            omp_set_num_threads(1);
+            float *y = malloc((size_t)(m * width) * sizeof(float));
+            if (y == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                const int64_t col = blk * width, cols = n - col < width ? n - col : width;
+                if (y == NULL || block_product(fmt, x, packed, panel_bytes, scale, bias, y, m,
+                                               col, cols, k) != 0) {
+#pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
+                for (int64_t r = 0; r < m; r++)
+                    scan_row(y + r * cols, cols, col, best + blk * m + r, where + blk * m + r,
+                             bad + blk * m + r);
+            }
+            free(y);
+        }
+    }
+    if (!failed) {
+        for (int64_t r = 0; r < m; r++) {
+            float b = best[r];
+            int64_t w = where[r];
+            int any_bad = bad[r];
+            for (int64_t blk = 1; blk < blocks; blk++) {
+                if (best[blk * m + r] > b) {  /* (a tie keeps the earlier block's) */
+                    b = best[blk * m + r];
+                    w = where[blk * m + r];
+                }
+                any_bad |= bad[blk * m + r];
+            }
+            tokens[r] = w;
+            finite[r] = (uint8_t)!any_bad;
+        }
+    }
+    free(best);
+    free(where);
+    free(bad);
+    return failed ? -1 : 0;
+}
