@@ -21,15 +21,24 @@ ROWS = (1, 2, 7, 8, 9, 20, 64, 70)
 
 
 def _builds() -> list[str]:
-    """The build a plain run gets, and AVX2 where it runs (forced on an AVX-512 machine)."""
+    """The build a plain run gets, AVX2 and the generic one where they run
+    (forced on a better machine), and the AVX-512 source emulated."""
     best = cpu_isa.choose(None, cpu_isa.host_features()).name
     runnable = {isa.name for isa in cpu_isa.runnable(cpu_isa.host_features())}
-    return [best, *(["avx2"] if "avx2" in runnable and best != "avx2" else [])]
+    return [best, *(name for name in ("avx2", "generic") if name in runnable and name != best),
+            "avx512bf16-emulated"]
 
 
 @pytest.fixture(scope="module", params=_builds())
 def build(request):
-    return load_library(request.param)
+    isa = cpu_isa.BY_NAME[request.param]
+    if isa.emulated and not cpu_isa.simde_available():
+        pytest.skip("SIMDe's headers are not installed (`make test` installs libsimde-dev "
+                    "with apt-get where it runs as root)")
+    runnable = {i.name for i in cpu_isa.runnable(cpu_isa.host_features())}
+    if isa.emulated and "avx2" not in runnable:
+        pytest.skip("the emulated AVX-512 build needs AVX2")
+    return load_library(isa.name)
 
 
 def _ops(build, fmt: str):
@@ -47,16 +56,32 @@ def test_tokens_are_the_first_largest_logit_of_every_row(build, fmt: str, n: int
     w[n // 2 + 1] = w[n // 2]
     packed = ops.pack_weight(w)
     bias = torch.randn(n) if fmt in ("float32", "bf16", "w8a8", "int8") else None
+    if bias is not None:  # (the same on the equal columns: still ties)
+        bias[n - 3] = bias[n - 2] = bias[5]
+        bias[n // 2 + 1] = bias[n // 2]
     for m in ROWS:
         x = torch.randn(m, k)
         # Rows whose largest logits are the equal columns' (a tie to break).
-        x[0] = w[5] * 8
+        x[0] = w[5] * 40
         if m > 1:
-            x[1] = w[n // 2] * 8
+            x[1] = w[n // 2] * 40
         logits = ops.linear(x, packed, bias, n).numpy()
         tokens, finite = ops.greedy(x, packed, bias, n)
         assert tokens.tolist() == logits.argmax(axis=-1).tolist(), m
         assert finite.all()
+        if m > 1:  # (the planted ties are the largest logits, twice or more)
+            assert (logits[0] == logits[0].max()).sum() >= 2
+            assert (logits[1] == logits[1].max()).sum() >= 2
+
+
+def test_no_rows_give_no_tokens_and_many_rows_all_theirs(build) -> None:
+    ops = _ops(build, "bf16")
+    packed = ops.pack_weight(torch.randn(100, 64))
+    tokens, finite = ops.greedy(torch.empty(0, 64), packed, None, 100)
+    assert tokens.shape == finite.shape == (0,)
+    x = torch.randn(70_000, 64)  # (more rows than a block's scratch holds floats)
+    tokens, finite = ops.greedy(x, packed, None, 100)
+    assert torch.equal(tokens, ops.linear(x, packed, None, 100).argmax(dim=-1))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -53,24 +53,31 @@ async def send(http: aiohttp.ClientSession, url: str, model: str, spec: RequestS
             if response.status != 200:
                 result.error = (await response.read()).decode(errors="replace")[:300]
                 return result
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"].get("message", "error")
-                    return result
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
-                    now = time.perf_counter()
-                    chunks += 1
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.chunk_gaps.append(now - last)
-                    last = now
+            partial = b""
+            # What each read of the socket brought (one await a read, where
+            # iterating lines took one a line, two an event), cut into lines;
+            # the events of one read share its arrival time. (An unfinished
+            # last line is dropped, as the SSE spec drops an unfinished event.)
+            async for data in response.content.iter_any():
+                *lines, partial = (partial + data).split(b"\n")
+                for raw in lines:
+                    line = raw.strip()
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        result.error = chunk["error"].get("message", "error")
+                        return result
+                    if chunk.get("usage"):
+                        result.output_tokens = chunk["usage"]["completion_tokens"]
+                    if any(c.get("text") for c in chunk.get("choices", [])):
+                        now = time.perf_counter()
+                        chunks += 1
+                        if last is None:
+                            result.ttft = now - start
+                        else:
+                            result.chunk_gaps.append(now - last)
+                        last = now
         result.e2e = time.perf_counter() - start
         result.output_tokens = result.output_tokens or chunks
         result.ok = last is not None

@@ -79,6 +79,8 @@ def greedy_linear(lib: ctypes.CDLL, fmt: int, x: torch.Tensor, packed: torch.Ten
                                         None if scale is None else scale.data_ptr(),
                                         None if bias is None else bias.data_ptr(), m,
                                         out_features, k, tokens.data_ptr(), finite.data_ptr())
+    if status == -2:
+        raise ValueError(f"no C kernel for weight format code {fmt}")
     if status != 0:
         raise MemoryError("the greedy output layer could not allocate its scratch memory")
     return tokens, finite

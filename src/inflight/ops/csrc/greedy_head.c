@@ -1,15 +1,18 @@
 /* The greedy token of each row of a linear layer's output (the output layer's
  * logits), without writing the logits out: each thread computes a block of
- * columns into a scratch buffer that stays in its L2 cache, with the format's
- * own kernel, and keeps each row's largest value, where it first occurs, and
- * whether any value was not finite. With a 49,152-token vocabulary the logits
- * of 64 rows are 12.6 MB, written and read twice more (the sampler's
- * finiteness check, then its argmax) where this reads the weights alone.
+ * columns into a scratch buffer that stays in its L2 cache (up to 1,024 rows),
+ * with the format's own kernel, and keeps each row's largest value, where it
+ * first occurs, and the sum of its values (finite or not: the sampler's test
+ * of a numerical fault, summed in another order). With a 49,152-token
+ * vocabulary the logits of 64 rows are 12.6 MB, written and read twice more
+ * (the sampler's finiteness check, then its argmax) where this reads the
+ * weights alone.
  *
- * Each column is computed by the same code, in the same order, as the whole
- * product computes it (the kernels' results depend on neither the batch nor
- * the columns around them), so the token is the first index of the logits'
- * maximum, as NumPy's argmax finds it.
+ * Each column gets the same arithmetic, in the same order, as in the whole
+ * product (the kernels' results depend on neither the batch nor the columns
+ * around them, though a block's last columns may take another tile shape), so
+ * the token is the first index of the logits' maximum, as NumPy's argmax
+ * finds it.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -21,15 +24,15 @@
 
 /* A block's logits at most (floats, per thread): 256 KiB, within L2. */
 #define GREEDY_SCRATCH_FLOATS 65536
-/* Columns of a block: a multiple of this (whole units of four panels). */
+/* Columns of a block: a multiple of this (whole panels). */
 #define GREEDY_COLUMN_STEP 64
 
 /* Row `cols` logits y (columns col0 + j): the largest, where it first is, and
- * whether they were all finite (as the sampler asks it: whether their sum is). */
+ * their sum. */
 static void scan_row(const float *y, int64_t cols, int64_t col0, float *best, int64_t *where,
-                     uint8_t *bad)
+                     float *sum)
 {
-    v16f top = (v16f){0} - __builtin_inff(), sum = {0};
+    v16f top = (v16f){0} - __builtin_inff(), partial = {0};
     v16i at = {0};
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     int64_t j = 0;
@@ -39,7 +42,7 @@ static void scan_row(const float *y, int64_t cols, int64_t col0, float *best, in
         const v16i greater = v > top;  /* (NaN: never) */
         top = (v16f)(((v16i)v & greater) | ((v16i)top & ~greater));
         at = ((lane + (int32_t)j) & greater) | (at & ~greater);
-        sum += v;
+        partial += v;
     }
     float b = -__builtin_inff(), total = 0.0f;
     int64_t w = 0;
@@ -48,7 +51,7 @@ static void scan_row(const float *y, int64_t cols, int64_t col0, float *best, in
             b = top[l];
             w = at[l];
         }
-        total += sum[l];
+        total += partial[l];
     }
     for (; j < cols; j++) {
         if (y[j] > b) {
@@ -59,7 +62,7 @@ static void scan_row(const float *y, int64_t cols, int64_t col0, float *best, in
     }
     *best = b;
     *where = col0 + w;
-    *bad = !(total - total == 0);
+    *sum = total;
 }
 
 /* Columns [col, col + cols) of x W^T + bias into y (rows `cols` apart), by
@@ -81,19 +84,22 @@ int inflight_greedy_linear(int64_t fmt, const float *x, const uint8_t *packed, c
                            const float *bias, int64_t m, int64_t n, int64_t k, int64_t *tokens,
                            uint8_t *finite)
 {
+    if (m <= 0 || n <= 0)
+        return 0;
     const int64_t panel_bytes = fmt == GREEDY_F32 ? k * LINEAR_NR * (int64_t)sizeof(float)
                                                   : inflight_panel_bytes(fmt, k);
     /* Blocks as wide as the scratch holds, and at least one a thread. */
     const int64_t threads = m * n * k > PARALLEL_MIN_WORK ? omp_get_max_threads() : 1;
     const int64_t share = (n + threads - 1) / threads;
-    int64_t width = GREEDY_SCRATCH_FLOATS / (m > 0 ? m : 1);
+    int64_t width = GREEDY_SCRATCH_FLOATS / m;
     width = share < width ? share : width;
+    width = width < 1 ? 1 : width;
     width = (width + GREEDY_COLUMN_STEP - 1) / GREEDY_COLUMN_STEP * GREEDY_COLUMN_STEP;
     const int64_t blocks = (n + width - 1) / width;
     float *best = malloc((size_t)(blocks * m) * sizeof(float));
     int64_t *where = malloc((size_t)(blocks * m) * sizeof(int64_t));
-    uint8_t *bad = malloc((size_t)(blocks * m));
-    int failed = best == NULL || where == NULL || bad == NULL;
+    float *sum = malloc((size_t)(blocks * m) * sizeof(float));
+    int failed = best == NULL || where == NULL || sum == NULL;
     if (!failed) {
 #pragma omp parallel if (m * n * k > PARALLEL_MIN_WORK)
         {
@@ -115,7 +121,7 @@ int inflight_greedy_linear(int64_t fmt, const float *x, const uint8_t *packed, c
                 }
                 for (int64_t r = 0; r < m; r++)
                     scan_row(y + r * cols, cols, col, best + blk * m + r, where + blk * m + r,
-                             bad + blk * m + r);
+                             sum + blk * m + r);
             }
             free(y);
         }
@@ -124,20 +130,20 @@ int inflight_greedy_linear(int64_t fmt, const float *x, const uint8_t *packed, c
         for (int64_t r = 0; r < m; r++) {
             float b = best[r];
             int64_t w = where[r];
-            int any_bad = bad[r];
+            float total = sum[r];
             for (int64_t blk = 1; blk < blocks; blk++) {
                 if (best[blk * m + r] > b) {  /* (a tie keeps the earlier block's) */
                     b = best[blk * m + r];
                     w = where[blk * m + r];
                 }
-                any_bad |= bad[blk * m + r];
+                total += sum[blk * m + r];
             }
             tokens[r] = w;
-            finite[r] = (uint8_t)!any_bad;
+            finite[r] = (uint8_t)(total - total == 0);  /* inf - inf and NaN - NaN are NaN */
         }
     }
     free(best);
     free(where);
-    free(bad);
+    free(sum);
     return failed ? -1 : 0;
 }
