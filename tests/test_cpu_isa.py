@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import assert_matches_dense_attention
+from helpers import assert_matches_dense_attention, runnable_isas
 
 from inflight.attention.backend import BatchLayout
 from inflight.ops import cpu_isa
@@ -81,34 +81,12 @@ def test_a_plain_load_gets_the_chosen_build_and_the_variable_picks_another(monke
     assert library_isa(load_library()) == best
     monkeypatch.setenv("INFLIGHT_CPU_ISA", "generic")
     assert library_isa(load_library()).name == "generic"
-    assert library_isa(load_library("avx2" if "avx2" in _runnable() else "generic")).name in (
+    assert library_isa(load_library("avx2" if "avx2" in runnable_isas() else "generic")).name in (
         "avx2", "generic")
 
 
 # ------------------------------------------------------------- each build
-
-def _runnable() -> set[str]:
-    return {isa.name for isa in cpu_isa.runnable(cpu_isa.host_features())}
-
-
-def _builds() -> list[str]:
-    """The build a plain run gets, AVX2 (forced on an AVX-512 machine), the
-    generic one, and the AVX-512 source emulated."""
-    names = [cpu_isa.choose(None, cpu_isa.host_features()).name]
-    names += [name for name in ("avx2", "generic") if name in _runnable() and name not in names]
-    return names + ["avx512bf16-emulated"]
-
-
-@pytest.fixture(scope="module", params=_builds())
-def build(request):
-    isa = cpu_isa.BY_NAME[request.param]
-    if isa.emulated and not cpu_isa.simde_available():
-        pytest.skip("SIMDe's headers are not installed (`make test` installs libsimde-dev "
-                    "with apt-get where it runs as root)")
-    if isa.emulated and "avx2" not in _runnable():
-        pytest.skip("the emulated AVX-512 build needs AVX2")
-    return load_library(isa.name)
-
+# (the ``build`` fixture: tests/conftest.py)
 
 def _w8a8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """float64 x W^T as W8A8 computes it: w int8 per row, x int8 per block of 32."""
@@ -184,7 +162,7 @@ def test_w8a8_linear_sums_exactly_in_every_build(build, n, k):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
     for m in ROWS:
         assert torch.equal(ops.linear(x[:m], packed, bias, n), y[:m])
-    if library_isa(build).name != "generic" and "avx2" in _runnable():
+    if library_isa(build).name != "generic" and "avx2" in runnable_isas():
         avx2 = QuantOps(load_library("avx2"), "w8a8")
         assert torch.equal(avx2.linear(x, avx2.pack_weight(w), bias, n), y)
 
@@ -210,7 +188,7 @@ def test_w8a8_activations_round_alike_in_every_build(build):
     """131,072 activations, 31 of them on a tie once scaled (AVX-512 builds
     quantize a block in registers, the others in loops): the outputs are
     AVX2's bits."""
-    if library_isa(build).name == "generic" or "avx2" not in _runnable():
+    if library_isa(build).name == "generic" or "avx2" not in runnable_isas():
         pytest.skip("compares with the AVX2 build")
     torch.manual_seed(11)
     w, x = torch.randn(16, 2048), torch.randn(64, 2048) * 3
@@ -266,7 +244,7 @@ def test_the_emulated_avx512_engine_decodes_w8a8_as_avx2_does(tiny_model, monkey
 
     from inflight import LLM, SamplingParams
 
-    if not cpu_isa.simde_available() or "avx2" not in _runnable():
+    if not cpu_isa.simde_available() or "avx2" not in runnable_isas():
         pytest.skip("needs AVX2 and SIMDe's headers")
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 384, 3, 50, seed=4)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)

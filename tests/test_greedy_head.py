@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from inflight import LLM, SamplingParams
-from inflight.ops import cpu_isa
 from inflight.ops.cpu_ops import CpuOps, load_library
 from inflight.ops.quant import FORMAT_CODES, QuantOps
 
@@ -18,27 +17,6 @@ pytestmark = pytest.mark.skipif(load_library() is None, reason="no C compiler to
 
 FORMATS = ["float32", *FORMAT_CODES]
 ROWS = (1, 2, 7, 8, 9, 20, 64, 70)
-
-
-def _builds() -> list[str]:
-    """The build a plain run gets, AVX2 and the generic one where they run
-    (forced on a better machine), and the AVX-512 source emulated."""
-    best = cpu_isa.choose(None, cpu_isa.host_features()).name
-    runnable = {isa.name for isa in cpu_isa.runnable(cpu_isa.host_features())}
-    return [best, *(name for name in ("avx2", "generic") if name in runnable and name != best),
-            "avx512bf16-emulated"]
-
-
-@pytest.fixture(scope="module", params=_builds())
-def build(request):
-    isa = cpu_isa.BY_NAME[request.param]
-    if isa.emulated and not cpu_isa.simde_available():
-        pytest.skip("SIMDe's headers are not installed (`make test` installs libsimde-dev "
-                    "with apt-get where it runs as root)")
-    runnable = {i.name for i in cpu_isa.runnable(cpu_isa.host_features())}
-    if isa.emulated and "avx2" not in runnable:
-        pytest.skip("the emulated AVX-512 build needs AVX2")
-    return load_library(isa.name)
 
 
 def _ops(build, fmt: str):
