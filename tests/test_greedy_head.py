@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from inflight import LLM, SamplingParams
-from inflight.ops.cpu_ops import CpuOps, load_library
+from inflight.ops.cpu_ops import CpuOps, greedy_linear, load_library
 from inflight.ops.quant import FORMAT_CODES, QuantOps
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="no C compiler to build kernels")
@@ -60,6 +60,8 @@ def test_no_rows_give_no_tokens_and_many_rows_all_theirs(build) -> None:
     x = torch.randn(70_000, 64)  # (more rows than a block's scratch holds floats)
     tokens, finite = ops.greedy(x, packed, None, 100)
     assert torch.equal(tokens, ops.linear(x, packed, None, 100).argmax(dim=-1))
+    with pytest.raises(ValueError, match="format code 99"):
+        greedy_linear(build, 99, x[:3], packed.data, None, None, 100)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -99,24 +99,21 @@ int inflight_greedy_linear(int64_t fmt, const float *x, const uint8_t *packed, c
     float *best = malloc((size_t)(blocks * m) * sizeof(float));
     int64_t *where = malloc((size_t)(blocks * m) * sizeof(int64_t));
     float *sum = malloc((size_t)(blocks * m) * sizeof(float));
-    int failed = best == NULL || where == NULL || sum == NULL;
+    int failed = best == NULL || where == NULL || sum == NULL ? -1 : 0;
     if (!failed) {
 #pragma omp parallel if (m * n * k > PARALLEL_MIN_WORK)
         {
             /* The kernels' own parallel loops run on this thread alone. */
             omp_set_num_threads(1);
             float *y = malloc((size_t)(m * width) * sizeof(float));
-            if (y == NULL) {
-#pragma omp atomic write
-                failed = 1;
-            }
 #pragma omp for schedule(static)
             for (int64_t blk = 0; blk < blocks; blk++) {
                 const int64_t col = blk * width, cols = n - col < width ? n - col : width;
-                if (y == NULL || block_product(fmt, x, packed, panel_bytes, scale, bias, y, m,
-                                               col, cols, k) != 0) {
+                const int status = y == NULL ? -1 : block_product(fmt, x, packed, panel_bytes,
+                                                                  scale, bias, y, m, col, cols, k);
+                if (status != 0) {
 #pragma omp atomic write
-                    failed = 1;
+                    failed = status;
                     continue;
                 }
                 for (int64_t r = 0; r < m; r++)
@@ -145,5 +142,5 @@ int inflight_greedy_linear(int64_t fmt, const float *x, const uint8_t *packed, c
     free(best);
     free(where);
     free(sum);
-    return failed ? -1 : 0;
+    return failed;
 }

@@ -43,8 +43,8 @@ int64_t inflight_w8a8_panel_bytes(int64_t k);
 int64_t inflight_panel_bytes(int64_t fmt, int64_t k);
 /* greedy_head.c: each row's greedy token of x W^T + bias (the first index of
  * its largest value) and whether all its values were finite, without writing
- * them out; fmt a QUANT_* code, or GREEDY_F32 for float32 panels. 0, or -1 if
- * scratch memory ran out. */
+ * them out; fmt a QUANT_* code, or GREEDY_F32 for float32 panels. 0, -1 if
+ * scratch memory ran out, or -2 for an unknown format. */
 #define GREEDY_F32 -1
 int inflight_greedy_linear(int64_t fmt, const float *x, const uint8_t *packed, const float *scale,
                            const float *bias, int64_t m, int64_t n, int64_t k, int64_t *tokens,
