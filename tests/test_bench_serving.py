@@ -131,4 +131,3 @@ def test_a_stream_cut_anywhere_counts_each_event_once():
     assert result.ok and not result.error
     assert result.output_tokens == 4
     assert result.ttft is not None and len(result.chunk_gaps) == 2  # three chunks with text
-

@@ -88,6 +88,7 @@ def test_a_plain_load_gets_the_chosen_build_and_the_variable_picks_another(monke
 # ------------------------------------------------------------- each build
 # (the ``build`` fixture: tests/conftest.py)
 
+
 def _w8a8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """float64 x W^T as W8A8 computes it: w int8 per row, x int8 per block of 32."""
     scale = w.abs().amax(dim=1, keepdim=True) / 127

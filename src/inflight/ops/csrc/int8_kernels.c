@@ -372,7 +372,7 @@ int inflight_w8a8_linear(const float *x, const uint8_t *packed, const float *sca
                          const float *bias, float *y, int64_t m, int64_t n, int64_t k)
 {
     const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR, kp = padded_k(k);
-    const int64_t blocks = kp / A8_BLOCK, panel_bytes = kp * LINEAR_NR;
+    const int64_t blocks = kp / A8_BLOCK, panel_bytes = inflight_w8a8_panel_bytes(k);
 #ifdef INFLIGHT_AVX512_VNNI
     const int abs_needed = 0, offset_needed = 1;
 #elif defined(__AVX2__)

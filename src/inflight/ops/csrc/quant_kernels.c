@@ -437,9 +437,6 @@ static int gguf_linear(int fmt, const float *x, const uint8_t *packed, const flo
     return 0;
 }
 
-/* y[M, N] = x[M, K] . W^T (+ bias) for W packed in format fmt (scale: the
- * int8 and W8A8 column scales, padded to whole panels). Returns -1 if scratch
- * memory ran out, -2 for an unknown format. */
 int64_t inflight_panel_bytes(int64_t fmt, int64_t k)
 {
     switch (fmt) {
@@ -449,6 +446,9 @@ int64_t inflight_panel_bytes(int64_t fmt, int64_t k)
     }
 }
 
+/* y[M, N] = x[M, K] . W^T (+ bias) for W packed in format fmt (scale: the
+ * int8 and W8A8 column scales, padded to whole panels). Returns -1 if scratch
+ * memory ran out, -2 for an unknown format. */
 int inflight_quant_linear(int64_t fmt, const float *x, const uint8_t *packed, const float *scale,
                           const float *bias, float *y, int64_t m, int64_t n, int64_t k)
 {
