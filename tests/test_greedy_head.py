@@ -87,17 +87,25 @@ def test_rows_with_a_non_finite_logit_are_flagged_and_the_rest_are_not(build, fm
     assert tokens[ok].tolist() == logits[ok].argmax(axis=-1).tolist()
 
 
-@pytest.mark.parametrize("dtype, quantization", [("float32", None), ("bfloat16", None),
-                                                 ("bfloat16", "w8a8")])
+NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                "adaptive": False}}
+
+
+@pytest.mark.parametrize("dtype, quantization, options", [
+    ("float32", None, {}), ("bfloat16", None, {}), ("bfloat16", "w8a8", {}),
+    ("float32", None, NGRAM), ("float32", None, {"async_scheduling": True}),
+    ("bfloat16", None, {"scheduling_policy": "priority"})])
 def test_plain_greedy_steps_take_the_greedy_head_with_the_samplers_tokens(
-        tiny_model, monkeypatch, dtype: str, quantization: str | None) -> None:
-    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 370 + 5 for j in range(4 + 23 * i)]}
-               for i in range(6)]
+        tiny_model, monkeypatch, dtype: str, quantization: str | None, options: dict) -> None:
+    """(Speculation verifies drafts with one row per position; async
+    scheduling computes the steps on a thread of their own.)"""
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 370 + 5 for j in range(4 + 23 * i)]
+                * (1 + i % 2)} for i in range(6)]
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)
     with_logprobs = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
-    llm = LLM(str(tiny_model("llama-gqa")), dtype=dtype, quantization=quantization)
-    runner = llm.engine.runner
+    llm = LLM(str(tiny_model("llama-gqa")), dtype=dtype, quantization=quantization, **options)
+    runner = llm.engine.core.runner
     head = runner._greedy_head()
     assert head is not None
     calls = []
@@ -108,6 +116,8 @@ def test_plain_greedy_steps_take_the_greedy_head_with_the_samplers_tokens(
 
     fused = tokens([greedy] * 6)
     assert len(calls) >= 10
+    if options is NGRAM:  # (rows of verified drafts went through it)
+        assert llm.engine.speculator.totals.num_draft_tokens > 0
     mixed = tokens([greedy, sampled, greedy, with_logprobs, greedy, greedy])
     monkeypatch.setattr(runner, "_greedy_head", lambda: None)
     assert tokens([greedy] * 6) == fused
