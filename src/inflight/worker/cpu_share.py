@@ -19,9 +19,15 @@ next burst's, and the first steps of a burst (its prompts) keep the threads
 the last burst ended with.
 
 The load of the other processes is read from ``/proc/stat`` (the busy time
-of this process's CPUs) less this process's own CPU time; the threads are at
-most the CPUs less that load. Where it cannot be read (not Linux), the
-number of threads stays fixed. In a container whose ``/proc/stat`` numbers
+of this process's CPUs) less this process's own CPU time. A thread goes on a
+core only while the others keep that core nearly free: waking a region's
+worker is a system call, on the way out of which the kernel can hand the core
+to whatever else waits for it; beside a tiny model's front end (0.7 of the
+second core) a two-thread region started a third of a millisecond late, and
+with the front end and its client on about 0.4 of that core two threads served
+a tiny model's tokens 11-26 % slower than one ("Who takes the engine's core"
+in docs/benchmarks.md). Where it cannot be read (not Linux), the number of
+threads stays fixed. In a container whose ``/proc/stat`` numbers
 CPUs its own way (LXCFS), or that is held to a CPU quota, the other load
 reads as none and the threads stay as many as configured. The C kernels'
 results do not depend on their number of threads (each output element is
@@ -31,6 +37,7 @@ changes no token; the loader shares cores only with them.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -39,10 +46,12 @@ from collections.abc import Callable
 # softirq (not idle, iowait, or steal: time the hypervisor kept from us).
 _BUSY_FIELDS = (0, 1, 2, 5, 6)
 
-# How far the free cores must move from the current number of threads before
-# it changes: a front end on 0.6-0.8 of a core frees the second core's thread;
-# the figures jitter by a tenth or two from one look to the next.
-HYSTERESIS = 0.6
+# The most of a core that other processes may keep busy for a thread to stay
+# on it (above it, the thread goes) ...
+SHARED_CORE_MAX = 0.25
+# ... and the least of it they must leave free for a thread to come back: the
+# figures jitter by a tenth or two from one look to the next.
+FREE_CORE_MIN = 0.9
 
 
 def read_busy_seconds(cpus: set[int], path: str = "/proc/stat") -> float:
@@ -59,9 +68,11 @@ def read_busy_seconds(cpus: set[int], path: str = "/proc/stat") -> float:
 
 
 class SharedCores:
-    """The number of threads to use: at most ``max_threads``, and at most the
-    ``num_cpus`` this process may run on less the cores that other processes
-    kept busy over the last ``interval`` seconds (at least one). ``busy``
+    """The number of threads to use: at most ``max_threads``, and no more
+    than the ``num_cpus`` this process may run on of which other processes
+    kept at most ``SHARED_CORE_MAX`` of a core busy over the last ``interval``
+    seconds (at least one); a thread given up comes back once ``FREE_CORE_MIN``
+    of its core is free. ``busy``
     (the busy seconds of those CPUs), ``own`` (this process's CPU seconds)
     and ``clock`` are the host's by default."""
 
@@ -114,6 +125,9 @@ class SharedCores:
         others = ((busy - then[1]) - (own - then[2])) / (now - then[0])
         self.others = max(0.0, others)
         free = min(self.max_threads, self.num_cpus - self.others)
-        if abs(free - self.threads) >= HYSTERESIS:
-            self.threads = max(1, round(free))  # (free is at most max_threads)
+        kept = math.floor(free + SHARED_CORE_MAX + 1e-9)
+        if kept < self.threads:
+            self.threads = max(1, kept)
+        else:  # (free is at most max_threads)
+            self.threads = max(self.threads, math.floor(free + 1.0 - FREE_CORE_MIN + 1e-9))
         return self.threads
