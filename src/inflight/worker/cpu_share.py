@@ -20,19 +20,21 @@ the last burst ended with.
 
 The load of the other processes is read from ``/proc/stat`` (the busy time
 of this process's CPUs) less this process's own CPU time. A thread goes on a
-core only while the others keep that core nearly free: waking a region's
+core only while the others keep that core mostly free: waking a region's
 worker is a system call, on the way out of which the kernel can hand the core
-to whatever else waits for it; beside a tiny model's front end (0.7 of the
-second core) a two-thread region started a third of a millisecond late, and
-with the front end and its client on about 0.4 of that core two threads served
-a tiny model's tokens 11-26 % slower than one ("Who takes the engine's core"
-in docs/benchmarks.md). Where it cannot be read (not Linux), the number of
-threads stays fixed. In a container whose ``/proc/stat`` numbers
-CPUs its own way (LXCFS), or that is held to a CPU quota, the other load
-reads as none and the threads stay as many as configured. The C kernels'
-results do not depend on their number of threads (each output element is
-computed by one thread, in the same order), so a change between steps
-changes no token; the loader shares cores only with them.
+to whatever else waits for it. Beside a tiny model's front end (0.7 of the
+second core) a two-thread region started a third of a millisecond late; with
+the front end and its client on 0.34-0.42 of that core two threads served
+5-26 % slower than one (a tiny model at ``--stream-interval 4``, a 16M one),
+on 0.22-0.24 of it faster (a 38M one), on 0.05 much faster (the default
+model): "Who takes the engine's core" in docs/benchmarks.md. Where it cannot
+be read (not Linux), the number of threads stays fixed. In a container whose
+``/proc/stat`` numbers CPUs its own way (LXCFS), or that is held to a CPU
+quota, the other load reads as none and the threads stay as many as
+configured. The C kernels' results do not depend on their number of threads
+(each output element is computed by one thread, in the same order), so a
+change between steps changes no token; the loader shares cores only with
+them.
 """
 
 from __future__ import annotations
@@ -48,10 +50,13 @@ _BUSY_FIELDS = (0, 1, 2, 5, 6)
 
 # The most of a core that other processes may keep busy for a thread to stay
 # on it (above it, the thread goes) ...
-SHARED_CORE_MAX = 0.25
-# ... and the least of it they must leave free for a thread to come back: the
-# figures jitter by a tenth or two from one look to the next.
-FREE_CORE_MIN = 0.9
+SHARED_CORE_MAX = 0.3
+# ... and the least of it they must leave free for a thread to come back.
+FREE_CORE_MIN = 0.75
+# The others' load is averaged over looks, each look weighing this much (about
+# half a second of them at 0.1 s): one window's figure jitters by a tenth or
+# two, its ticks rounded, against thresholds a tenth of a core apart.
+SMOOTHING = 0.2
 
 
 def read_busy_seconds(cpus: set[int], path: str = "/proc/stat") -> float:
@@ -70,9 +75,10 @@ def read_busy_seconds(cpus: set[int], path: str = "/proc/stat") -> float:
 class SharedCores:
     """The number of threads to use: at most ``max_threads``, and no more
     than the ``num_cpus`` this process may run on of which other processes
-    kept at most ``SHARED_CORE_MAX`` of a core busy over the last ``interval``
-    seconds (at least one); a thread given up comes back once ``FREE_CORE_MIN``
-    of its core is free. ``busy``
+    keep at most ``SHARED_CORE_MAX`` of a core busy (at least one); a thread
+    given up comes back once ``FREE_CORE_MIN`` of its core is free. The
+    others' load is looked at every ``interval`` seconds and averaged over
+    looks (``SMOOTHING``). ``busy``
     (the busy seconds of those CPUs), ``own`` (this process's CPU seconds)
     and ``clock`` are the host's by default."""
 
@@ -95,6 +101,7 @@ class SharedCores:
         self._busy, self._own, self._clock = busy, own, clock
         self.threads = max_threads
         self.others = 0.0  # cores the other processes kept busy, at the last look
+        self.load: float | None = None  # ... and averaged over the looks
         self._last = self._look()
 
     @classmethod
@@ -124,7 +131,9 @@ class SharedCores:
             return self.threads
         others = ((busy - then[1]) - (own - then[2])) / (now - then[0])
         self.others = max(0.0, others)
-        free = min(self.max_threads, self.num_cpus - self.others)
+        self.load = self.others if self.load is None else (
+            self.load + SMOOTHING * (self.others - self.load))
+        free = min(self.max_threads, self.num_cpus - self.load)
         kept = math.floor(free + SHARED_CORE_MAX + 1e-9)
         if kept < self.threads:
             self.threads = max(1, kept)
