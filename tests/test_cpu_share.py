@@ -89,7 +89,7 @@ def test_a_look_after_an_idle_spell_only_starts_a_new_window() -> None:
 
 @pytest.mark.parametrize("others, expected", [(0.0, 8), (0.3, 8), (0.35, 7), (1.8, 6),
                                                (2.6, 5), (2.8, 5), (7.9, 1), (12.0, 1)])
-def test_threads_are_the_cores_others_leave_nearly_free_at_least_one(others: float,
+def test_threads_are_the_cores_others_leave_mostly_free_at_least_one(others: float,
                                                                      expected: int) -> None:
     host = Host()
     cores = host.cores(8)
