@@ -193,7 +193,7 @@ int inflight_bf16_linear(const float *x, const uint8_t *packed, const float *bia
                          int64_t m, int64_t n, int64_t k)
 {
     const int64_t panels = (n + LINEAR_NR - 1) / LINEAR_NR;
-    const int64_t panel_bytes = panel_steps(WEIGHTS_BF16, k) * LINEAR_STEP_BYTES;
+    const int64_t panel_bytes = panel_size(WEIGHTS_BF16, k);
     const int scratch = m >= BF16_SCRATCH_MIN_ROWS;
     int failed = 0;
 #pragma omp parallel if (m * n * k > PARALLEL_MIN_WORK)
@@ -228,7 +228,7 @@ int inflight_bf16_linear(const float *x, const uint8_t *packed, const float *bia
 void inflight_bf16_row(const uint8_t *packed, int64_t k, int64_t id, float *out)
 {
     const uint16_t *panel = (const uint16_t *)(packed + id / LINEAR_NR *
-                                               panel_steps(WEIGHTS_BF16, k) * LINEAR_STEP_BYTES);
+                                               panel_size(WEIGHTS_BF16, k));
     const int64_t c = id % LINEAR_NR;
     for (int64_t kk = 0; kk < k; kk++)
         out[kk] = bf16_to_float(panel[kk / 2 * 2 * LINEAR_NR + 2 * c + kk % 2]);

@@ -86,7 +86,7 @@ int inflight_greedy_linear(int64_t fmt, const float *x, const uint8_t *packed, c
 {
     if (m <= 0 || n <= 0)
         return 0;
-    const int64_t panel_bytes = fmt == GREEDY_F32 ? k * LINEAR_NR * (int64_t)sizeof(float)
+    const int64_t panel_bytes = fmt == GREEDY_F32 ? panel_size(WEIGHTS_F32, k)
                                                   : inflight_panel_bytes(fmt, k);
     /* Blocks as wide as the scratch holds, and at least one a thread. */
     const int64_t threads = m * n * k > PARALLEL_MIN_WORK ? omp_get_max_threads() : 1;

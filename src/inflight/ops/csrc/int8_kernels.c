@@ -417,7 +417,7 @@ int inflight_w8a8_linear(const float *x, const uint8_t *packed, const float *sca
 void inflight_w8a8_row(const uint8_t *packed, const float *scale, int64_t k, int64_t id,
                        float *out)
 {
-    const int8_t *panel = (const int8_t *)packed + id / LINEAR_NR * padded_k(k) * LINEAR_NR;
+    const int8_t *panel = (const int8_t *)packed + id / LINEAR_NR * inflight_w8a8_panel_bytes(k);
     const int64_t c = id % LINEAR_NR;
     for (int64_t kk = 0; kk < k; kk++)
         out[kk] = (float)panel[kk / 4 * LINEAR_STEP_BYTES + 4 * c + kk % 4] * scale[id];

@@ -40,6 +40,12 @@ static inline int64_t panel_steps(int wfmt, int64_t k)
     return wfmt == WEIGHTS_F32 ? k : (k + 1) / 2;
 }
 
+/* The bytes of a panel over k. */
+static inline int64_t panel_size(int wfmt, int64_t k)
+{
+    return panel_steps(wfmt, k) * LINEAR_STEP_BYTES;
+}
+
 static inline float hsum8(v8f v)
 {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));

@@ -440,7 +440,7 @@ static int gguf_linear(int fmt, const float *x, const uint8_t *packed, const flo
 int64_t inflight_panel_bytes(int64_t fmt, int64_t k)
 {
     switch (fmt) {
-    case QUANT_BF16: return panel_steps(WEIGHTS_BF16, k) * LINEAR_STEP_BYTES;
+    case QUANT_BF16: return panel_size(WEIGHTS_BF16, k);
     case QUANT_W8A8: return inflight_w8a8_panel_bytes(k);
     default: return panel_bytes_of(fmt, k);
     }
