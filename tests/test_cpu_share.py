@@ -248,11 +248,14 @@ def test_only_an_engine_process_of_its_own_lets_the_threads_follow_the_host(tiny
         own = build_engine_core(EngineConfig(model=model, dtype="float32"), share_cores=True)
         expected = SharedCores if SharedCores.of_host(1) is not None else type(None)
         assert isinstance(own.runner.cores, expected)
+        # ... and lends the spare core while it gives threads up (test_spare_core).
+        assert (own.runner._lend_spare_core is None) == (own.runner.cores is None)
         # PyTorch's kernels: their sums depend on their threads.
         torch_kernels = build_engine_core(EngineConfig(model=model, dtype="float32",
                                                        kernel_backend="torch"),
                                           share_cores=True)
         assert torch_kernels.runner.cores is None
+        assert torch_kernels.runner._lend_spare_core is None
         fixed = build_engine_core(EngineConfig(model=model, dtype="float32", num_threads=1),
                                   share_cores=True)
         assert fixed.runner.cores is None

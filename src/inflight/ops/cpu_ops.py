@@ -30,9 +30,9 @@ logger = logging.getLogger(__name__)
 CSRC = cpu_isa.PROBE.parent
 SOURCES = [CSRC / name for name in ("cpu_kernels.c", "attention_bf16.c", "quant_kernels.c",
                                     "bf16_kernels.c", "int8_kernels.c", "layer_kernels.c",
-                                    "greedy_head.c")]
+                                    "greedy_head.c", "spare_core.c")]
 HEADERS = [CSRC / name for name in ("kernels.h", "linear_kernel.h", "isa.h", "bf16.h",
-                                    "attention.h")]
+                                    "attention.h", "spare_core.h")]
 LINEAR_PANEL = 16  # LINEAR_NR in the C source: output columns per packed weight panel
 # gnu11 rather than c11: ISO mode would forbid contracting a*b+c into one FMA.
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=gnu11", "-Wno-psabi"]
@@ -60,6 +60,8 @@ _SIGNATURES = {
     "inflight_decoder_layers": (ctypes.c_int, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
     "inflight_greedy_linear": (ctypes.c_int, [_i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                                               _ptr, _ptr]),
+    "inflight_spare_core": (None, [_i64]),
+    "inflight_spare_core_blocks": (_i64, []),
 }
 # inflight_greedy_linear's format code for float32 panels (GREEDY_F32 in kernels.h).
 GREEDY_F32 = -1
@@ -84,6 +86,15 @@ def greedy_linear(lib: ctypes.CDLL, fmt: int, x: torch.Tensor, packed: torch.Ten
     if status != 0:
         raise MemoryError("the greedy output layer could not allocate its scratch memory")
     return tokens, finite
+
+
+def lend_spare_core(lib: ctypes.CDLL, on: bool) -> None:
+    """Let the loops ``lib`` runs on one thread (the greedy output layer's)
+    take a helper thread whenever it gets a core, or stop them
+    (``csrc/spare_core.c``): for a process that gave its other cores up to
+    the processes beside it (``worker.cpu_share``). The helper starts the
+    first time it is lent; the results do not depend on it."""
+    lib.inflight_spare_core(int(on))
 
 
 def load_library(isa: str | None = None) -> ctypes.CDLL | None:

@@ -6,6 +6,7 @@ step), from which the context limit follows, and the CUDA graphs."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from inflight.model.quantize import (load_gguf_blocks, quantize_weights, read_gg
 from inflight.model.registry import get_model_class
 from inflight.model.stub import StubModel
 from inflight.model.weight_pages import move_packed_weights_to_huge_pages
-from inflight.ops.cpu_ops import CpuOps, library_isa, load_library
+from inflight.ops.cpu_ops import CpuOps, lend_spare_core, library_isa, load_library
 from inflight.ops.quant import QuantOps
 from inflight.ops.torch_ops import TorchOps
 from inflight.worker.cpu_setup import configure_cpu
@@ -162,14 +163,16 @@ def load_runner(config: EngineConfig, model_dir: Path, model_config: ModelConfig
                 f" (one per global block, {pools.window_pages} per block of the layers of "
                 f"window {pools.window})",
                 max_model_len, str(dtype).removeprefix("torch."), device, type(backend).__name__)
+    cores = (SharedCores.of_host(torch.get_num_threads())
+             if share_cores and c_kernels and config.num_threads is None else None)
     runner = ModelRunner(model, backend, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                          block_size=config.block_size, device=device, dtype=dtype,
                          seed=config.seed, max_model_len=max_model_len,
                          num_parameters=num_parameters, weight_bytes=resident,
                          kv_window=pools.window, window_pages=pools.window_pages,
-                         cores=(SharedCores.of_host(torch.get_num_threads())
-                                if share_cores and c_kernels and config.num_threads is None
-                                else None))
+                         cores=cores, lend_spare_core=(None if cores is None else
+                                                       functools.partial(lend_spare_core,
+                                                                         ops.lib)))
     if device.type == "cuda" and stub_token_id is None:
         warm_up_kernels(model, backend, max_seq_len=max_model_len, block_size=config.block_size,
                         num_layers=model_config.num_hidden_layers,

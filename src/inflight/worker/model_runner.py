@@ -86,7 +86,8 @@ class ModelRunner:
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int,
                  max_model_len: int, num_parameters: int, weight_bytes: int = 0,
                  num_host_blocks: int = 0, kv_window: int | None = None,
-                 window_pages: int = 1, cores: SharedCores | None = None) -> None:
+                 window_pages: int = 1, cores: SharedCores | None = None,
+                 lend_spare_core: Callable[[bool], None] | None = None) -> None:
         """``num_parameters``: the model's, as stored (a tied embedding once),
         counted before its weights were packed; ``weight_bytes``: the memory its
         weights take as loaded (packed, quantized). With ``kv_window``, the
@@ -95,10 +96,13 @@ class ModelRunner:
         layers' tensors hold blocks of either kind, the window layers in
         ``window_pages`` groups, each on the global layers' tensors. With
         ``cores``, each step runs on as many threads as it says (the CPU
-        kernels' threads, where their number is not fixed)."""
+        kernels' threads, where their number is not fixed), and
+        ``lend_spare_core`` hears whether threads are given up
+        (``cpu_ops.lend_spare_core``)."""
         cfg = model.config
         self._num_threads = torch.get_num_threads()  # (as configured by the loader)
         self.cores = cores
+        self._lend_spare_core = lend_spare_core
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -258,6 +262,8 @@ class ModelRunner:
         """In the thread that computes, as many threads as ``cores`` says now."""
         if self.cores is not None and (threads := self.cores.current()) != torch.get_num_threads():
             torch.set_num_threads(threads)
+            if self._lend_spare_core is not None:
+                self._lend_spare_core(threads < self.cores.max_threads)
 
     def prepare_step(self, out: SchedulerOutput) -> PreparedStep:
         """Read everything the step needs from ``out`` and its requests now;

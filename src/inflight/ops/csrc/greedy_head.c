@@ -13,6 +13,11 @@
  * around them, though a block's last columns may take another tile shape), so
  * the token is the first index of the logits' maximum, as NumPy's argmax
  * finds it.
+ *
+ * Where the kernels run on one thread because the engine process gave its
+ * other cores up (worker.cpu_share) and the spare core is lent
+ * (spare_core.c), the blocks are narrower and a helper thread claims some
+ * whenever it gets a core: the output layer is most of a small model's step.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -21,11 +26,14 @@
 
 #include "kernels.h"
 #include "linear_kernel.h"
+#include "spare_core.h"
 
 /* A block's logits at most (floats, per thread): 256 KiB, within L2. */
 #define GREEDY_SCRATCH_FLOATS 65536
 /* Columns of a block: a multiple of this (whole panels). */
 #define GREEDY_COLUMN_STEP 64
+/* Blocks at least, on one thread with the spare core lent (for it to claim). */
+#define GREEDY_SPARE_BLOCKS 16
 
 /* Row `cols` logits y (columns col0 + j): the largest, where it first is, and
  * their sum. */
@@ -80,67 +88,103 @@ static int block_product(int64_t fmt, const float *x, const uint8_t *packed,
     return inflight_quant_linear(fmt, x, panels, scale ? scale + col : NULL, b, y, m, cols, k);
 }
 
+/* One call's product, cut into blocks of `width` columns, and each block's
+ * per-row results (best, where, sum: `m` apiece). */
+typedef struct {
+    int64_t fmt, panel_bytes, m, n, k, width;
+    const float *x, *scale, *bias;
+    const uint8_t *packed;
+    float *best, *sum;
+    int64_t *where;
+    float *scratch[2]; /* spare_core_run's two workers' */
+    int failed;
+} greedy_job;
+
+/* Block `blk` of the job, its logits in y (m * width floats). */
+static void greedy_block(greedy_job *job, int64_t blk, float *y)
+{
+    const int64_t m = job->m, col = blk * job->width;
+    const int64_t cols = job->n - col < job->width ? job->n - col : job->width;
+    const int status = y == NULL ? -1 : block_product(job->fmt, job->x, job->packed,
+                                                      job->panel_bytes, job->scale, job->bias,
+                                                      y, m, col, cols, job->k);
+    if (status != 0) {
+        __atomic_store_n(&job->failed, status, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t r = 0; r < m; r++)
+        scan_row(y + r * cols, cols, col, job->best + blk * m + r, job->where + blk * m + r,
+                 job->sum + blk * m + r);
+}
+
+static void spare_block(void *ctx, int64_t blk, int worker)
+{
+    greedy_job *job = ctx;
+    greedy_block(job, blk, job->scratch[worker]);
+}
+
 int inflight_greedy_linear(int64_t fmt, const float *x, const uint8_t *packed, const float *scale,
                            const float *bias, int64_t m, int64_t n, int64_t k, int64_t *tokens,
                            uint8_t *finite)
 {
     if (m <= 0 || n <= 0)
         return 0;
-    const int64_t panel_bytes = fmt == GREEDY_F32 ? panel_size(WEIGHTS_F32, k)
-                                                  : inflight_panel_bytes(fmt, k);
+    greedy_job job = {.fmt = fmt, .m = m, .n = n, .k = k, .x = x, .scale = scale, .bias = bias,
+                      .packed = packed};
+    job.panel_bytes = fmt == GREEDY_F32 ? panel_size(WEIGHTS_F32, k)
+                                        : inflight_panel_bytes(fmt, k);
+    const int parallel = m * n * k > PARALLEL_MIN_WORK;
+    const int64_t threads = parallel ? omp_get_max_threads() : 1;
+    /* On one thread with the spare core lent: blocks for it to claim. */
+    const int spare = parallel && threads == 1 && spare_core_on();
     /* Blocks as wide as the scratch holds, and at least one a thread. */
-    const int64_t threads = m * n * k > PARALLEL_MIN_WORK ? omp_get_max_threads() : 1;
-    const int64_t share = (n + threads - 1) / threads;
+    const int64_t share = spare ? (n + GREEDY_SPARE_BLOCKS - 1) / GREEDY_SPARE_BLOCKS
+                                : (n + threads - 1) / threads;
     int64_t width = GREEDY_SCRATCH_FLOATS / m;
     width = share < width ? share : width;
     width = width < 1 ? 1 : width;
-    width = (width + GREEDY_COLUMN_STEP - 1) / GREEDY_COLUMN_STEP * GREEDY_COLUMN_STEP;
-    const int64_t blocks = (n + width - 1) / width;
-    float *best = malloc((size_t)(blocks * m) * sizeof(float));
-    int64_t *where = malloc((size_t)(blocks * m) * sizeof(int64_t));
-    float *sum = malloc((size_t)(blocks * m) * sizeof(float));
-    int failed = best == NULL || where == NULL || sum == NULL ? -1 : 0;
-    if (!failed) {
-#pragma omp parallel if (m * n * k > PARALLEL_MIN_WORK)
+    job.width = (width + GREEDY_COLUMN_STEP - 1) / GREEDY_COLUMN_STEP * GREEDY_COLUMN_STEP;
+    const int64_t blocks = (n + job.width - 1) / job.width;
+    job.best = malloc((size_t)(blocks * m) * sizeof(float));
+    job.where = malloc((size_t)(blocks * m) * sizeof(int64_t));
+    job.sum = malloc((size_t)(blocks * m) * sizeof(float));
+    job.failed = job.best == NULL || job.where == NULL || job.sum == NULL ? -1 : 0;
+    if (!job.failed && spare) {
+        for (int w = 0; w < 2; w++)
+            job.scratch[w] = malloc((size_t)(m * job.width) * sizeof(float));
+        spare_core_run(blocks, spare_block, &job);
+        for (int w = 0; w < 2; w++)
+            free(job.scratch[w]);
+    } else if (!job.failed) {
+#pragma omp parallel if (parallel)
         {
             /* The kernels' own parallel loops run on this thread alone. */
             omp_set_num_threads(1);
-            float *y = malloc((size_t)(m * width) * sizeof(float));
+            float *y = malloc((size_t)(m * job.width) * sizeof(float));
 #pragma omp for schedule(static)
-            for (int64_t blk = 0; blk < blocks; blk++) {
-                const int64_t col = blk * width, cols = n - col < width ? n - col : width;
-                const int status = y == NULL ? -1 : block_product(fmt, x, packed, panel_bytes,
-                                                                  scale, bias, y, m, col, cols, k);
-                if (status != 0) {
-#pragma omp atomic write
-                    failed = status;
-                    continue;
-                }
-                for (int64_t r = 0; r < m; r++)
-                    scan_row(y + r * cols, cols, col, best + blk * m + r, where + blk * m + r,
-                             sum + blk * m + r);
-            }
+            for (int64_t blk = 0; blk < blocks; blk++)
+                greedy_block(&job, blk, y);
             free(y);
         }
     }
-    if (!failed) {
+    if (!job.failed) {
         for (int64_t r = 0; r < m; r++) {
-            float b = best[r];
-            int64_t w = where[r];
-            float total = sum[r];
+            float b = job.best[r];
+            int64_t w = job.where[r];
+            float total = job.sum[r];
             for (int64_t blk = 1; blk < blocks; blk++) {
-                if (best[blk * m + r] > b) {  /* (a tie keeps the earlier block's) */
-                    b = best[blk * m + r];
-                    w = where[blk * m + r];
+                if (job.best[blk * m + r] > b) {  /* (a tie keeps the earlier block's) */
+                    b = job.best[blk * m + r];
+                    w = job.where[blk * m + r];
                 }
-                total += sum[blk * m + r];
+                total += job.sum[blk * m + r];
             }
             tokens[r] = w;
             finite[r] = (uint8_t)(total - total == 0);  /* inf - inf and NaN - NaN are NaN */
         }
     }
-    free(best);
-    free(where);
-    free(sum);
-    return failed;
+    free(job.best);
+    free(job.where);
+    free(job.sum);
+    return job.failed;
 }
