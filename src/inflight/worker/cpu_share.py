@@ -16,7 +16,9 @@ adds up over CPUs). A look more than ``stale`` seconds
 after the one before (the engine was idle meanwhile: a client starting, say)
 only starts a new window: the load of a quiet spell says nothing of the
 next burst's, and the first steps of a burst (its prompts) keep the threads
-the last burst ended with.
+the last burst ended with. While threads are given up, the runner lends the
+kernels a spare core instead (``ops.cpu_ops.lend_spare_core``: a helper that
+takes blocks of the output layer only while it gets a core, never waited for).
 
 The load of the other processes is read from ``/proc/stat`` (the busy time
 of this process's CPUs) less this process's own CPU time. A thread goes on a
