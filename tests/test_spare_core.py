@@ -39,10 +39,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _lent(lib, on: bool) -> None:
-    lend_spare_core(lib, on)
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tokens_and_finiteness_are_the_same_with_the_spare_core_or_without(
         build, one_thread, fmt: str) -> None:
@@ -62,16 +58,16 @@ def test_tokens_and_finiteness_are_the_same_with_the_spare_core_or_without(
             if m > 2:
                 x[1, 3] = float("nan")
                 x[2] = 3e37
-            _lent(build, False)
+            lend_spare_core(build, False)
             alone = ops.greedy(x, packed, bias, n)
-            _lent(build, True)
+            lend_spare_core(build, True)
             helped = ops.greedy(x, packed, bias, n)
             assert torch.equal(helped[0], alone[0]) and torch.equal(helped[1], alone[1]), m
             logits = ops.linear(x, packed, bias, n).numpy()
             ok = np.flatnonzero(helped[1].numpy())
             assert helped[0][ok].tolist() == logits[ok].argmax(axis=-1).tolist()
     finally:
-        _lent(build, False)
+        lend_spare_core(build, False)
 
 
 @settings(max_examples=40, deadline=None)
@@ -87,12 +83,12 @@ def test_any_shape_gives_the_same_tokens_with_the_spare_core(m: int, n: int, k: 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _lent(lib, False)
+        lend_spare_core(lib, False)
         alone = ops.greedy(x, packed, None, n)
-        _lent(lib, True)
+        lend_spare_core(lib, True)
         helped = ops.greedy(x, packed, None, n)
     finally:
-        _lent(lib, False)
+        lend_spare_core(lib, False)
         torch.set_num_threads(threads)
     assert torch.equal(helped[0], alone[0]) and torch.equal(helped[1], alone[1])
 
@@ -104,13 +100,13 @@ def test_the_helper_takes_blocks_while_a_core_is_free(one_thread) -> None:
     packed = ops.pack_weight(torch.randn(16384, 64))
     x = torch.randn(64, 64)
     before = lib.inflight_spare_core_blocks()
-    _lent(lib, True)
+    lend_spare_core(lib, True)
     try:
         deadline = time.monotonic() + 30
         while lib.inflight_spare_core_blocks() == before and time.monotonic() < deadline:
             ops.greedy(x, packed, None, 16384)
     finally:
-        _lent(lib, False)
+        lend_spare_core(lib, False)
     assert lib.inflight_spare_core_blocks() > before
     # Not lent: none taken.
     before = lib.inflight_spare_core_blocks()
@@ -135,7 +131,7 @@ def test_loops_from_two_threads_at_once_each_get_their_own_tokens() -> None:
             if not torch.equal(tokens, expected[i]):
                 failures.append(f"thread {i}, call {call}")
 
-    _lent(lib, True)
+    lend_spare_core(lib, True)
     try:
         workers = [threading.Thread(target=run, args=(i,)) for i in range(2)]
         for t in workers:
@@ -144,7 +140,7 @@ def test_loops_from_two_threads_at_once_each_get_their_own_tokens() -> None:
             t.join(60)
         assert not any(t.is_alive() for t in workers), "a loop did not finish"
     finally:
-        _lent(lib, False)
+        lend_spare_core(lib, False)
     assert failures == []
 
 
@@ -155,7 +151,7 @@ def test_a_forked_child_runs_its_loops_without_the_parents_helper(one_thread) ->
     packed = ops.pack_weight(torch.randn(n, 64))
     x = torch.randn(30, 64)
     expected = ops.linear(x, packed, None, n).argmax(dim=-1)
-    _lent(lib, True)
+    lend_spare_core(lib, True)
     try:
         ops.greedy(x, packed, None, n)  # (the helper started)
         pid = os.fork()
@@ -173,7 +169,7 @@ def test_a_forked_child_runs_its_loops_without_the_parents_helper(one_thread) ->
             pytest.fail("the forked child's loop hung")
         assert os.waitstatus_to_exitcode(done[1]) == 0
     finally:
-        _lent(lib, False)
+        lend_spare_core(lib, False)
 
 
 def test_the_runner_lends_the_spare_core_while_it_has_given_threads_up(tiny_model) -> None:
