@@ -74,11 +74,17 @@ static void futex_wake(_Atomic int *word)
 }
 #endif
 
+/* Whether claim word c's loop has a block left to claim. */
+static int blocks_left(uint64_t c)
+{
+    return (c & COUNT_MASK) < ((c >> COUNT_BITS) & COUNT_MASK);
+}
+
 /* The next block of loop `gen`, or -1 once none is left (or another loop began). */
 static int64_t take(uint64_t gen)
 {
     uint64_t c = atomic_load(&claim);
-    while ((c >> GEN_SHIFT) == gen && (c & COUNT_MASK) < ((c >> COUNT_BITS) & COUNT_MASK)) {
+    while ((c >> GEN_SHIFT) == gen && blocks_left(c)) {
         if (atomic_compare_exchange_weak(&claim, &c, c + 1))
             return (int64_t)(c & COUNT_MASK);
     }
@@ -102,8 +108,7 @@ static void *helper_main(void *unused)
         }
         seen = rung;
         /* (A late wake-up finds the loop taken: no check-in, nothing to wait for.) */
-        const uint64_t c = atomic_load(&claim);
-        if ((c & COUNT_MASK) >= ((c >> COUNT_BITS) & COUNT_MASK))
+        if (!blocks_left(atomic_load(&claim)))
             continue;
         atomic_fetch_add(&working, 1);
         const uint64_t gen = atomic_load(&claim) >> GEN_SHIFT;
