@@ -12,7 +12,10 @@ def test_start_up_objects_are_frozen_out_of_the_collectors_reach():
     survivor = [object() for _ in range(10)]
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > len(survivor)
+        # Another thread left by an earlier test may free frozen objects at
+        # any moment, so the count can only be bounded, not matched.
+        assert len(survivor) < gc.get_freeze_count() <= frozen
+        assert not any(o is survivor for o in gc.get_objects())
         # Objects made after start-up are the collector's again.
         assert gc.is_tracked(later := [object()]) and later
     finally:
