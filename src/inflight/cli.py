@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="end with an error a request not scheduled within this time")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, how long in-flight requests may take to finish")
+    srv.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                     help="serve HTTP from N processes over the one engine (when one "
+                          "interpreter cannot keep up with streaming; no Batch API then)")
     srv.add_argument("--data-dir", default=None,
                      help="where batch jobs and their files live (default: $INFLIGHT_DATA_DIR, "
                           "else $XDG_DATA_HOME/inflight, else ~/.local/share/inflight)")
@@ -365,21 +368,34 @@ def _bench_calibrate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    several = args.api_server_count > 1
     if args.replicas is not None or args.autoscale is not None:
+        if several:
+            raise ValueError("--api-server-count is for one engine: Ray replicas have their "
+                             "own front ends")
         return _serve_on_ray(args)
+    if several and (args.data_dir is not None or args.batch_max_in_flight is not None):
+        raise ValueError("the Batch API (--data-dir, --batch-max-in-flight) is served by one "
+                         "API server: not with --api-server-count > 1")
+    options = dict(host=args.host, port=args.port, api_key=args.api_key,
+                   served_model_name=args.served_model_name,
+                   max_waiting_requests=args.max_waiting_requests,
+                   max_waiting_per_tenant=args.max_waiting_per_tenant,
+                   max_queue_wait=args.max_queue_wait, shutdown_timeout=args.shutdown_timeout,
+                   log_level=args.log_level.lower(), tool_call_parser=args.tool_call_parser,
+                   enable_auto_tool_choice=args.enable_auto_tool_choice)
+    if several:  # (before anything imports prometheus_client: see server.api_servers)
+        from inflight.server.api_servers import serve_with_api_servers
+
+        return serve_with_api_servers(engine_config_from_args(args), args.api_server_count,
+                                      **options)
+    from inflight.cache import data_root
     from inflight.server.launch import serve
 
-    from inflight.cache import data_root
-
-    return serve(engine_config_from_args(args), host=args.host, port=args.port,
-                 api_key=args.api_key, served_model_name=args.served_model_name,
-                 data_dir=args.data_dir or data_root(),
-                 batch_max_in_flight=args.batch_max_in_flight,
-                 max_waiting_requests=args.max_waiting_requests,
-                 max_waiting_per_tenant=args.max_waiting_per_tenant,
-                 max_queue_wait=args.max_queue_wait, shutdown_timeout=args.shutdown_timeout,
-                 log_level=args.log_level.lower(), tool_call_parser=args.tool_call_parser,
-                 enable_auto_tool_choice=args.enable_auto_tool_choice)
+    return serve(engine_config_from_args(args), data_dir=args.data_dir or data_root(),
+                 batch_max_in_flight=args.batch_max_in_flight, **options)
 
 
 def _run_batch(args: argparse.Namespace) -> int:

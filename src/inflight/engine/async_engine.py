@@ -12,6 +12,12 @@ serves HTTP: the engine steps while the server parses, tokenizes,
 detokenizes and streams. If the engine process dies, every request in flight
 ends with ``EngineDeadError``, ``error`` says why (``/health`` turns 503) and
 ``on_dead`` is called (``inflight serve`` then exits with status 1).
+
+Several front ends, each an AsyncEngine in a process of its own, may share
+one core (``inflight serve --api-server-count``): the first starts the core
+with a socket pair for each and hands the others their ``FrontEndSpec``;
+they join it (``join``) and watch its process. Each gets every step's
+outputs and keeps its own requests'; only the first stops the core.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import asyncio
 import itertools
 import logging
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -77,6 +84,18 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted (``abort``) while its stream was being read."""
 
 
+class FrontEndSpec(msgspec.Struct):
+    """What a front end needs to join a running core: its index and its
+    sockets' addresses (it binds them), the core's process and what the core
+    said when it was ready."""
+
+    index: int
+    ops_address: str
+    events_address: str
+    core_pid: int
+    ready: CoreReady
+
+
 class _Core:
     """Where the core runs, and how to tell whether it still does."""
 
@@ -107,7 +126,7 @@ class _CoreThread(_Core):
 
 
 class _CoreProcess(_Core):
-    def __init__(self, config: EngineConfig, ops: str, events: str,
+    def __init__(self, config: EngineConfig, ops: list[str], events: list[str],
                  options: dict[str, Any]) -> None:
         from inflight.engine.core_process import CoreProcessSpec
 
@@ -134,6 +153,32 @@ class _CoreProcess(_Core):
             self.process.kill()
             self.process.wait()
 
+    def wait(self) -> str:
+        """Wait for the process to end; how it ended."""
+        code = self.process.wait()
+        return (f"the engine process exited with status {code}" if code >= 0
+                else f"the engine process was killed by signal {-code}")
+
+
+class _JoinedCore(_Core):
+    """The core process another front end started: watched, never stopped
+    from here."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._handle = os.pidfd_open(pid)  # (raises if it is gone already)
+
+    def alive(self) -> bool:
+        return not select.select([self._handle], [], [], 0)[0]
+
+    def stop(self, timeout: float) -> None:
+        pass
+
+    def wait(self) -> str:
+        select.select([self._handle], [], [])
+        os.close(self._handle)
+        return f"the engine process {self.pid} exited"
+
 
 def core_process_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The engine process's environment: the server's, with OpenMP's idle
@@ -155,30 +200,45 @@ class AsyncEngine(TokenizerOps):
                  on_step: Callable[[StepStats], None] | None = None,
                  on_abort: Callable[[int], None] | None = None,
                  on_dead: Callable[[], None] | None = None,
-                 in_process: bool = False) -> None:
+                 on_load: Callable[[EngineLoad], None] | None = None,
+                 in_process: bool = False, api_server_count: int = 1,
+                 join: FrontEndSpec | None = None) -> None:
         """``max_waiting_requests``: refuse new requests (QueueFullError) while this
         many wait (``max_waiting_per_tenant``: this many of the same tenant);
         background requests neither count nor are refused (their feeder bounds them);
         ``max_queue_wait``: end with QueueTimeoutError a request not scheduled
         within this many seconds. ``on_step`` sees every step's stats and
         ``on_abort`` the number of sequences each abort ended (metrics);
-        ``on_dead`` is called once if the engine stops on its own.
-        ``in_process``: run the core in a thread of this process, not a
-        process of its own. Every submission, step and abort is recorded in
-        ``step_log`` (the dashboard's source). Blocks until the model is
-        loaded; raises what stopped it from loading."""
+        ``on_dead`` is called once if the engine stops on its own, ``on_load``
+        with the load after each report of the core. ``in_process``: run the
+        core in a thread of this process, not a process of its own.
+        ``api_server_count``: start the core for this many front ends (this
+        one first; ``front_ends`` holds the others' specs); ``join``: join a
+        core another front end started instead (request ids must then differ
+        between the front ends: the server's are random; a duplicate is
+        refused to the later one). Every submission, step and abort is
+        recorded in ``step_log`` (the dashboard's source). Blocks until the
+        model is loaded; raises what stopped it from loading."""
         for name, value in (("max_waiting_requests", max_waiting_requests),
                             ("max_waiting_per_tenant", max_waiting_per_tenant)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
         if max_queue_wait is not None and max_queue_wait <= 0:
             raise ValueError("max_queue_wait must be > 0 seconds")
+        if api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {api_server_count}")
+        if api_server_count > 1 and in_process:
+            raise ValueError("several API servers need the engine core in a process of its own")
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_per_tenant = max_waiting_per_tenant
         self.max_queue_wait = max_queue_wait
         self._on_step = on_step
         self._on_abort = on_abort
         self._on_dead = on_dead
+        self._on_load = on_load
+        self.index = 0 if join is None else join.index
+        self.shared = api_server_count > 1 or join is not None
+        self.front_ends: list[FrontEndSpec] = []
         self.step_log = StepLog()
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future] = {}
@@ -200,24 +260,33 @@ class AsyncEngine(TokenizerOps):
         self._decoder = msgspec.msgpack.Decoder(CoreEvent)
 
         self._context = zmq.Context()
-        self._socket_dir = None if in_process else tempfile.TemporaryDirectory(prefix="inflight-")
-        ops_address, events_address = self._addresses()
-        self._ops = self._context.socket(zmq.PUSH)
-        self._ops.setsockopt(zmq.LINGER, 0)
-        self._ops.bind(ops_address)
-        self._events = self._context.socket(zmq.PULL)
-        self._events.setsockopt(zmq.LINGER, 0)
-        self._events.bind(events_address)
-        options = {"max_queue_wait": max_queue_wait,
-                   "count_tenants": max_waiting_per_tenant is not None}
-        self._core: _Core = (_CoreThread(config, self._context, ops_address, events_address,
-                                         options) if in_process
-                             else _CoreProcess(config, ops_address, events_address, options))
-        try:
-            ready = self._wait_ready()
-        except BaseException:
-            self._close()
-            raise
+        self._socket_dir = None
+        if join is not None:
+            self._core: _Core = _JoinedCore(join.core_pid)
+            self._bind(join.ops_address, join.events_address)
+            try:
+                self._greet()
+            except BaseException:
+                self._close()
+                raise
+            ready = join.ready
+        else:
+            if not in_process:
+                self._socket_dir = tempfile.TemporaryDirectory(prefix="inflight-")
+            ops, events = zip(*(self._addresses(i) for i in range(api_server_count)))
+            self._bind(ops[0], events[0])
+            options = {"max_queue_wait": max_queue_wait,
+                       "count_tenants": max_waiting_per_tenant is not None}
+            self._core = (_CoreThread(config, self._context, list(ops), list(events), options)
+                          if in_process else _CoreProcess(config, list(ops), list(events),
+                                                          options))
+            try:
+                ready = self._wait_ready()
+            except BaseException:
+                self._close()
+                raise
+            self.front_ends = [FrontEndSpec(i, ops[i], events[i], self.pid, ready)
+                               for i in range(1, api_server_count)]
         self.model = ready.model
         self.load_seconds = ready.load_seconds
         self.step_log.capacity = ready.max_num_seqs
@@ -225,17 +294,27 @@ class AsyncEngine(TokenizerOps):
                                             ready.model_dir else
                                             Tokenizer.from_dir(Path(ready.model_dir)))
         self.input = InputProcessor(self.tokenizer, self.model,
-                                    stream_interval=config.stream_interval)
+                                    stream_interval=config.stream_interval,
+                                    id_prefix=f"{self.index}-" if self.shared else "")
         self.output = OutputProcessor(self.tokenizer)
-        if isinstance(self._core, _CoreProcess):
+        if not isinstance(self._core, _CoreThread):
             threading.Thread(target=self._watch, name="inflight-engine-watch",
                              daemon=True).start()
 
-    def _addresses(self) -> tuple[str, str]:
+    def _bind(self, ops_address: str, events_address: str) -> None:
+        self._ops = self._context.socket(zmq.PUSH)
+        self._ops.setsockopt(zmq.LINGER, 0)
+        self._ops.bind(ops_address)
+        self._events = self._context.socket(zmq.PULL)
+        self._events.setsockopt(zmq.LINGER, 0)
+        self._events.bind(events_address)
+
+    def _addresses(self, index: int) -> tuple[str, str]:
         if self._socket_dir is None:
-            tag = f"inflight-{os.getpid()}-{id(self)}"
+            tag = f"inflight-{os.getpid()}-{id(self)}-{index}"
             return f"inproc://{tag}-ops", f"inproc://{tag}-events"
-        return (f"ipc://{self._socket_dir.name}/ops", f"ipc://{self._socket_dir.name}/events")
+        return (f"ipc://{self._socket_dir.name}/ops{index}",
+                f"ipc://{self._socket_dir.name}/events{index}")
 
     def _wait_ready(self) -> CoreReady:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -256,6 +335,29 @@ class AsyncEngine(TokenizerOps):
                 raise EngineDeadError("the engine stopped before it was ready")
         raise EngineDeadError(f"the engine was not ready within {START_TIMEOUT_S:.0f} s")
 
+    def _greet(self) -> None:
+        """(Joining) ask the core a question and wait for the answer: both ways
+        work, so no output of a request sent from here can be missed. (The
+        steps of other front ends' requests that came before it are dropped.)"""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._ops.poll(100, zmq.POLLOUT):
+            self._check_joining(deadline)
+        self._send(UtilityCall(-1, "ping", self.index))
+        while True:
+            while not self._events.poll(100):
+                self._check_joining(deadline)
+            event = self._decoder.decode(self._events.recv())
+            if isinstance(event, UtilityReply) and event.call_id == -1:
+                return
+            if isinstance(event, CoreFailed):
+                raise EngineDeadError(f"the engine stopped: {event.message}")
+
+    def _check_joining(self, deadline: float) -> None:
+        if not self._core.alive():
+            raise EngineDeadError("the engine stopped before this front end joined it")
+        if time.monotonic() > deadline:
+            raise EngineDeadError(f"the engine did not answer within {START_TIMEOUT_S:.0f} s")
+
     # ------------------------------------------------------------- callers
     @property
     def error(self) -> BaseException | None:
@@ -265,7 +367,7 @@ class AsyncEngine(TokenizerOps):
     @property
     def pid(self) -> int | None:
         """The engine process's id (None when the core runs in this process)."""
-        return self._core.pid if isinstance(self._core, _CoreProcess) else None
+        return getattr(self._core, "pid", None)
 
     @property
     def num_unfinished(self) -> int:
@@ -323,7 +425,7 @@ class AsyncEngine(TokenizerOps):
         self._streams[rid] = collector
         core = prepared.core
         self.output.add(core, prepared.prompt, prepared.kind)
-        self._send(AddRequest(core))
+        self._send(AddRequest(core, self.index))
         self._in_transit.append((interactive, tenant))
         self._num_sent += 1
         if interactive:
@@ -374,7 +476,10 @@ class AsyncEngine(TokenizerOps):
             return
         self._stopping = True
         if self._dead is None:
-            self._send(Shutdown())
+            if not isinstance(self._core, _JoinedCore):
+                self._send(Shutdown())
+            elif self._streams:  # (the core serves on: its requests leave it now)
+                self._send(AbortRequests(list(self._streams)))
         self._core.stop(30)
         self._fail_all(EngineDeadError("the engine is shutting down"))
         self._close()
@@ -415,7 +520,7 @@ class AsyncEngine(TokenizerOps):
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(UtilityCall(call_id, method))
+        self._send(UtilityCall(call_id, method, self.index))
         return await future
 
     def _start_pump(self) -> None:
@@ -450,19 +555,24 @@ class AsyncEngine(TokenizerOps):
         """One step's (or one pass's) outputs: answers to the streams, stop-string
         finishes and failed requests back to the core, the load, the step log."""
         self._load = outputs.load
-        while self._num_sent - len(self._in_transit) < outputs.num_added:
+        while self._num_sent - len(self._in_transit) < outputs.num_added[self.index]:
             self._in_transit.popleft()
         if outputs.waiting_by_tenant is not None:
             self._core_waiting = dict(outputs.waiting_by_tenant)
         self._count_waiting()
+        stats = outputs.stats
+        # (Asked before ``process``, which forgets finished requests.)
+        own = (None if stats is None or not self.shared else
+               [i for i, seq in enumerate(stats.finished_ids) if self.output.has(seq)])
+        num_finished = 0 if stats is None else len(stats.finished_ids)
         done = self.output.process(outputs)
         if done.stops:
             self._send(FinishSequences(done.stops))
         if done.failed:
             self._send(AbortRequests(done.failed))
         for rid, (why, message) in done.ended.items():
-            if why == "failed":
-                continue  # (its output carries the error)
+            if why == "failed" or rid not in self.output:
+                continue  # (its output carries the error; another front end's)
             sequences = self.output.unfinished_sequences(rid)
             self.output.remove(rid)
             if why == "timeout":
@@ -477,10 +587,25 @@ class AsyncEngine(TokenizerOps):
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)
-        if outputs.stats is not None:
-            self.step_log.stepped(outputs.stats)
+        if stats is not None:
+            self.step_log.stepped(stats)
             if self._on_step is not None:
-                self._on_step(outputs.stats)
+                # (``process`` appended the ends it found: stop strings, failures)
+                self._on_step(stats if own is None else self._share(
+                    stats, own + list(range(num_finished, len(stats.finished_ids)))))
+        if self._on_load is not None:
+            self._on_load(self.load())
+
+    def _share(self, stats: StepStats, own: list[int]) -> StepStats:
+        """What this front end counts of a step shared with others: the ends of
+        its own sequences (their reasons may be its stop strings), and, the
+        first front end, the rest (the step's figures, times to first token,
+        inter-token latencies: measured by the core, the same for all)."""
+        finished = [stats.finished[i] for i in own]
+        finished_ids = [stats.finished_ids[i] for i in own]
+        if self.index == 0:
+            return replace(stats, finished=finished, finished_ids=finished_ids)
+        return StepStats(finished=finished, finished_ids=finished_ids)
 
     def _count_waiting(self) -> None:
         transit = [(i, t) for i, t in self._in_transit if i]
@@ -516,11 +641,9 @@ class AsyncEngine(TokenizerOps):
 
     def _watch(self) -> None:
         """(A thread) the engine process's end, whenever it comes."""
-        self._core.process.wait()
+        how = self._core.wait()
         if not self._stopping:
-            code = self._core.process.returncode
-            self._die(f"the engine process exited with status {code}" if code >= 0
-                      else f"the engine process was killed by signal {-code}")
+            self._die(how)
 
 
 def _set_exception(future: asyncio.Future, error: BaseException) -> None:

@@ -1,6 +1,6 @@
 """The engine process: ``python -m inflight.engine.core_process`` with its
 ``CoreProcessSpec`` (MessagePack) on standard input; it builds the engine core
-and runs its loop (``engine.core_loop.serve_core``) over the front end's
+and runs its loop (``engine.core_loop.serve_core``) over its front ends'
 ipc:// sockets until told to stop.
 
 It follows its parent: SIGINT and SIGTERM are ignored (the server drains its
@@ -29,8 +29,8 @@ PARENT_POLL_SECONDS = 0.2
 
 class CoreProcessSpec(msgspec.Struct):
     config: EngineConfig
-    ops_address: str
-    events_address: str
+    ops_addresses: list[str]     # one of each per front end
+    events_addresses: list[str]
     max_queue_wait: float | None = None
     count_tenants: bool = False
     log_level: int = logging.INFO
@@ -51,7 +51,7 @@ def main() -> int:
     logging.basicConfig(level=spec.log_level, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     try:
-        ok = serve_core(spec.config, context, spec.ops_address, spec.events_address,
+        ok = serve_core(spec.config, context, spec.ops_addresses, spec.events_addresses,
                         max_queue_wait=spec.max_queue_wait, count_tenants=spec.count_tenants,
                         own_process=True)
     except BaseException:  # noqa: BLE001 - reported to the front end already

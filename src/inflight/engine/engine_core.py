@@ -271,11 +271,6 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def record_ended(self, ended: RequestEnded) -> None:
-        """Tell the front end, with the next outputs, of a request that ended
-        (or was refused) outside a step."""
-        self._ended.append(ended)
-
     def take_pending(self) -> CoreOutputs | None:
         """What happened since the last step that the front end has not heard
         of (requests timed out in the queue), or None."""

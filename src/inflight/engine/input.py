@@ -37,13 +37,15 @@ class PreparedRequest:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, model: ModelInfo,
-                 clock: Clock = time.time, stream_interval: int = 1) -> None:
+                 clock: Clock = time.time, stream_interval: int = 1, id_prefix: str = "") -> None:
         """``stream_interval``: a stream's tokens come from the core in runs of
-        this many (``EngineConfig.stream_interval``)."""
+        this many (``EngineConfig.stream_interval``); ``id_prefix`` begins the
+        ids given to requests that come without one."""
         self.tokenizer = tokenizer
         self.model = model
         self.clock = clock
         self.stream_interval = stream_interval
+        self.id_prefix = id_prefix
         self._ids = itertools.count()
 
     def output_interval(self, params: SamplingParams | BeamSearchParams,
@@ -123,7 +125,7 @@ class InputProcessor:
         if len(ids) > max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len="
                              f"{max_model_len}")
-        request_id = str(next(self._ids)) if request_id is None else request_id
+        request_id = f"{self.id_prefix}{next(self._ids)}" if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         max_tokens = max(1, max_model_len - len(ids))

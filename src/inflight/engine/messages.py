@@ -128,21 +128,26 @@ class CoreOutputs(msgspec.Struct, array_like=True, tag="out"):
     """One step of the core (or, with ``stats`` None, what happened between
     steps): outputs per sequence, ended beam searches, ended requests, and
     the load after it: the snapshot, how many requests the core has taken in
-    so far (the front end counts those still on their way), and, where the
-    front end caps them, its waiting requests per tenant."""
+    so far from each front end (each counts its own still on their way), and,
+    where the front ends cap them, the waiting requests per tenant. Every
+    front end gets every step's outputs and keeps those of its requests."""
 
     sequences: list[SequenceOutput]
     beams: list[BeamOutput]
     ended: list[RequestEnded]
     stats: StepStats | None
     load: EngineLoad
-    num_added: int = 0
+    num_added: list[int] = []
     waiting_by_tenant: list[tuple[str | None, int]] | None = None
 
 
 # ------------------------------------------------ front end -> core, as ops
 class AddRequest(msgspec.Struct, array_like=True, tag="add"):
+    """``front_end``: the index of the front end that sent it (several API
+    server processes may share one core)."""
+
     request: CoreRequest
+    front_end: int = 0
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
@@ -156,10 +161,12 @@ class FinishSequences(msgspec.Struct, array_like=True, tag="finish"):
 
 
 class UtilityCall(msgspec.Struct, array_like=True, tag="call"):
-    """A question for the core between two steps (``engine.core_loop.UTILITIES``)."""
+    """A question for the core between two steps (``engine.core_loop.UTILITIES``);
+    the reply goes to the front end that asked."""
 
     call_id: int
     method: str
+    front_end: int = 0
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):

@@ -300,6 +300,11 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._groups or request_id in self._beams
 
+    def has(self, sequence_id: str) -> bool:
+        """Whether a sequence (or a beam search, by its request id) is one of
+        the requests held here."""
+        return sequence_id in self._sample_of or sequence_id in self._beams
+
     def __len__(self) -> int:
         return len(self._groups) + len(self._beams)
 

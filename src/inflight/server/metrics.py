@@ -3,6 +3,13 @@
 Gauges (running, waiting, KV usage) are read from the engine's load snapshot
 when scraped, so they are current even when no step runs (an abort on an idle
 engine); counters and histograms are fed by the engine loop after each step.
+
+With several API server processes (``inflight serve --api-server-count``)
+the metrics are Prometheus's multiprocess kind: each process writes its
+values to files under ``PROMETHEUS_MULTIPROC_DIR`` (set before
+prometheus_client is first imported), and a scrape of any of them sums the
+counters and histograms of all; the first front end sets the gauges each
+time the core reports its load (the most recent value is served).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from inflight.engine.messages import EngineLoad
 from inflight.engine.step_stats import StepStats
@@ -25,14 +33,18 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 
 class EngineMetrics:
     """Engine metrics in their own registry (so several servers can share a
-    process, as tests do), fed by the engine loop after every step."""
+    process, as tests do), fed by the engine loop after every step.
+    ``multiprocess``: one of several API server processes (see the module
+    docstring)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, multiprocess: bool = False) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess
         labels = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+            return Gauge(name, doc, labels, registry=self.registry,
+                         multiprocess_mode="mostrecent").labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=self.registry).labels(model_name)
@@ -85,11 +97,22 @@ class EngineMetrics:
             TOKEN_BUCKETS)
 
     async def exposition(self) -> bytes:
-        """The Prometheus text of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text of every metric (of every process, multiprocess)."""
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return generate_latest(registry)
+
+    def set_load(self, load: EngineLoad) -> None:
+        """(Multiprocess) set the gauges."""
+        self.num_running.set(load.num_running)
+        self.num_waiting.set(load.num_waiting)
+        self.num_background_waiting.set(load.num_background_waiting)
+        self.kv_usage.set(load.kv_cache_usage)
 
     def watch(self, load: Callable[[], EngineLoad]) -> None:
-        """Read the gauges from ``load()`` at every scrape."""
+        """Read the gauges from ``load()`` at every scrape (one process only)."""
         self.num_running.set_function(lambda: load().num_running)
         self.num_waiting.set_function(lambda: load().num_waiting)
         self.num_background_waiting.set_function(lambda: load().num_background_waiting)

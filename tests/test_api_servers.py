@@ -1,0 +1,317 @@
+"""Several front ends over one engine core (``inflight serve
+--api-server-count``): each gets the offline tokens for its own requests,
+its own replies and counts; the server's processes start, serve, die and
+stop together, and none is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.multiprocess import MultiProcessCollector
+from server_helpers import free_port
+from test_engine_process import PROMPTS, children_of, gone, stream_completion
+
+from inflight import LLM, SamplingParams
+from inflight.config import EngineConfig
+from inflight.engine.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
+from inflight.engine.step_stats import StepStats
+
+
+def offline_texts(path, max_tokens: int = 12, **options) -> list[str]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **options)
+    return [o.outputs[0].text for o in LLM(str(path), kv_cache_memory="16MiB").generate(
+        PROMPTS, params, use_tqdm=False)]
+
+
+async def collect(engine: AsyncEngine, prompt: str, params: SamplingParams, **options) -> str:
+    text = ""
+    async for output in engine.generate(prompt, params, **options):
+        text += output.outputs[0].text
+    return text
+
+
+def idle(engine: AsyncEngine) -> bool:
+    """Whether the core comes to hold no request and no KV block within 10 s."""
+    deadline = time.monotonic() + 10
+    while engine.load().num_running and time.monotonic() < deadline:
+        asyncio.run(engine.cached_block_hashes())  # (each answer comes with the load)
+    return engine.load().num_running == 0 and engine.load().kv_cache_usage == 0
+
+
+def test_two_front_ends_share_one_core(tiny_model):
+    path = tiny_model("llama-gqa")
+    offline = offline_texts(path)
+    steps: list[list[StepStats]] = [[], []]
+    loads = []
+    config = EngineConfig(str(path), kv_cache_memory="16MiB")
+    first = AsyncEngine(config, api_server_count=2, on_step=steps[0].append,
+                        on_load=loads.append, max_waiting_requests=100)
+    try:
+        assert len(first.front_ends) == 1 and first.front_ends[0].core_pid == first.pid
+        second = AsyncEngine(config, join=first.front_ends[0], on_step=steps[1].append)
+        try:
+            assert second.pid == first.pid and second.model_info == first.model_info
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                  stop=[offline[1][3:5]])
+
+            async def both() -> tuple[list[str], list[str]]:
+                # Both front ends' requests in the same steps; the same request
+                # ids in each (the core keeps one per id: the second is refused).
+                ones = [collect(first, p, params) for p in PROMPTS]
+                twos = [collect(second, p, params) for p in PROMPTS[:3]]
+                twos.append(collect(second, PROMPTS[1], stop))
+                return (await asyncio.gather(*ones), await asyncio.gather(*twos))
+
+            ones, twos = asyncio.run(both())
+            assert ones == offline
+            assert twos[:3] == offline[:3]
+            assert twos[3] == offline[1][:offline[1].index(offline[1][3:5])]
+            # Each front end heard of its own requests' ends only, and only the
+            # first counted the steps' own figures: together, every sequence
+            # once; the stop string's reason from the front end that found it.
+            reasons = [[r for s in front for r, *_ in s.finished] for front in steps]
+            assert sorted(reasons[0]) == ["length"] * 4
+            assert sorted(reasons[1]) == ["length"] * 3 + ["stop"]
+            assert sum(s.generation_tokens + s.num_tokens + len(s.first_tokens)
+                       for s in steps[1]) == 0
+            assert sum(len(s.first_tokens) for s in steps[0]) == 8
+            assert sum(s.generation_tokens for s in steps[0]) >= 12 * 6
+            assert loads and loads[-1].num_running == 0 and first.num_waiting == 0
+            assert second.num_waiting == 0
+
+            async def duplicate_and_abort() -> None:
+                # A request id one front end uses is refused to the other.
+                long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+                stream = first.generate(PROMPTS[0], long, request_id="same")
+                await stream.__anext__()
+                with pytest.raises(ValueError, match="already in use"):
+                    await collect(second, PROMPTS[0], params, request_id="same")
+                # An abort from the second front end ends its request in the core.
+                mine = second.generate(PROMPTS[2], long, request_id="mine")
+                await mine.__anext__()
+                await second.abort("mine")
+                with pytest.raises(RequestAbortedError):
+                    await mine.__anext__()
+                await stream.aclose()
+                # Utility replies go to the front end that asked.
+                hashes = await asyncio.gather(first.cached_block_hashes(),
+                                              second.cached_block_hashes())
+                assert hashes[0] == hashes[1]
+
+            asyncio.run(duplicate_and_abort())
+            assert idle(first)
+
+            async def leave_running() -> None:
+                # A front end that stops takes its requests out of the core.
+                long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+                stream = second.generate(PROMPTS[3], long)
+                await stream.__anext__()
+                second.shutdown()
+                with pytest.raises(EngineDeadError, match="shutting down"):
+                    await stream.__anext__()
+
+            asyncio.run(leave_running())
+            assert idle(first)
+        finally:
+            second.shutdown()
+        # The second front end going does not stop the core.
+        assert first.error is None and asyncio.run(collect(first, PROMPTS[0], params)) == \
+            offline[0]
+    finally:
+        first.shutdown()
+    assert gone(first.pid, 10)
+
+
+def test_a_front_end_hears_when_the_core_it_joined_dies(tiny_model):
+    config = EngineConfig(str(tiny_model("llama-gqa")), kv_cache_memory="16MiB")
+    first = AsyncEngine(config, api_server_count=2)
+    dead = threading.Event()
+    try:
+        second = AsyncEngine(config, join=first.front_ends[0], on_dead=dead.set)
+        try:
+            os.kill(first.pid, signal.SIGKILL)
+            assert dead.wait(5)
+            assert isinstance(second.error, EngineDeadError)
+            assert "exited" in str(second.error)
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
+
+
+def test_bad_counts_are_refused(tiny_model):
+    config = EngineConfig(str(tiny_model("llama-gqa")), kv_cache_memory="16MiB")
+    with pytest.raises(ValueError, match="api_server_count"):
+        AsyncEngine(config, api_server_count=0)
+    with pytest.raises(ValueError, match="process of its own"):
+        AsyncEngine(config, api_server_count=2, in_process=True)
+    assert not children_of(os.getpid())
+
+
+class ServeSeveral:
+    """``inflight serve --api-server-count N`` over a model, its metrics in
+    ``metrics_dir`` (to read each process's counts)."""
+
+    def __init__(self, model: Path, count: int, metrics_dir: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_dir = metrics_dir
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "inflight", "serve", "--model", str(model), "--port",
+             str(self.port), "--kv-cache-memory", "16MiB", "--api-server-count", str(count),
+             *flags], env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while len(children_of(self.process.pid)) < count and time.monotonic() < deadline:
+            assert self.process.poll() is None, self.process.stderr.read()
+            time.sleep(0.1)
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.process.stderr.read()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        children = children_of(self.process.pid)
+        self.api_pids = [p for p in children if b"inflight.server.api_servers" in
+                         Path(f"/proc/{p}/cmdline").read_bytes()]
+        engines = [p for p in children if p not in self.api_pids]
+        assert len(self.api_pids) == count - 1 and len(engines) == 1, children
+        self.engine_pid = engines[0]
+
+    def pids(self) -> list[int]:
+        return [self.process.pid, self.engine_pid, *self.api_pids]
+
+    def successes(self) -> dict[int, float]:
+        """Finished requests counted by each API server process, by pid."""
+        counts = {}
+        for path in self.metrics_dir.glob("counter_*.db"):
+            pid = int(path.stem.split("_")[1])
+            counts[pid] = sum(s.value for m in MultiProcessCollector.merge([str(path)])
+                              for s in m.samples if s.name == "inflight:request_success_total")
+        return counts
+
+    def stop(self) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait()
+
+
+async def completions(url: str, prompts: list[str], stream: bool, max_tokens: int = 12
+                      ) -> list[str]:
+    """Each prompt's greedy text, every request on a connection of its own."""
+    async def one(prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": stream}
+        async with httpx.AsyncClient(timeout=60) as http:
+            if not stream:
+                r = await http.post(f"{url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+            text = ""
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+            return text
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def test_three_api_servers_give_the_offline_tokens_and_stop_together(tiny_model, tmp_path):
+    path = tiny_model("llama-gqa")
+    offline = offline_texts(path)
+    server = ServeSeveral(path, 3, tmp_path, "--shutdown-timeout", "30")
+    try:
+        prompts = PROMPTS * 10
+        assert asyncio.run(completions(server.url, prompts, False)) == offline * 10
+        # (A stream never sends the U+FFFD of bytes that end mid-character.)
+        for streamed, text in zip(asyncio.run(completions(server.url, prompts, True)),
+                                  offline * 10):
+            assert text.startswith(streamed) and set(text[len(streamed):]) <= {"\ufffd"}
+        # The connections were spread over the processes, and a scrape of any
+        # counts the requests of all.
+        counts = server.successes()
+        assert sorted(counts) == sorted([server.process.pid, *server.api_pids])
+        assert all(c > 0 for c in counts.values()) and sum(counts.values()) == 80, counts
+        for _ in range(6):
+            lines = httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+            assert [line.rsplit(" ", 1)[1] for line in lines if line.startswith(
+                'inflight:request_success_total{finished_reason="length"')] == ["80.0"]
+            assert [line.rsplit(" ", 1)[1] for line in lines if line.startswith(
+                "inflight:num_requests_running{")] == ["0.0"]
+        # SIGTERM: a stream in flight (on whichever process) is finished, then
+        # every process exits.
+        events: list = []
+        started = threading.Event()
+        reader = threading.Thread(target=stream_completion, args=(
+            server.url, {"prompt": "the quick", "max_tokens": 300, "ignore_eos": True,
+                         "temperature": 0}, events, started))
+        reader.start()
+        assert started.wait(30)
+        server.process.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert events[-1] == "done"
+        chunks = [e for e in events[:-1] if isinstance(e, dict)]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        server.process.wait(timeout=60)
+        assert all(gone(pid, 10) for pid in server.pids())
+    finally:
+        server.stop()
+
+
+def test_kill_9_of_the_engine_is_an_error_in_every_api_server(tiny_model, tmp_path):
+    server = ServeSeveral(tiny_model("llama-gqa"), 2, tmp_path)
+    try:
+        os.kill(server.engine_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        statuses: set[int] = set()
+        while time.monotonic() - killed < 1.5:
+            # (new connections: the kernel spreads them over both processes)
+            try:
+                statuses.add(httpx.get(f"{server.url}/health", timeout=0.5).status_code)
+            except httpx.HTTPError:
+                pass
+        assert statuses >= {503}
+        late = [httpx.get(f"{server.url}/health", timeout=1).status_code for _ in range(8)]
+        assert set(late) == {503}, late
+        assert server.process.wait(timeout=30) == 1
+        assert all(gone(pid, 10) for pid in server.pids())
+    finally:
+        server.stop()
+
+
+def test_an_api_server_that_dies_brings_the_server_down(tiny_model, tmp_path):
+    server = ServeSeveral(tiny_model("llama-gqa"), 2, tmp_path)
+    try:
+        os.kill(server.api_pids[0], signal.SIGKILL)
+        assert server.process.wait(timeout=30) == 1
+        assert "API server process 1 exited" in server.process.stderr.read()
+        assert all(gone(pid, 10) for pid in server.pids())
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--api-server-count", "0"], "must be >= 1"),
+    (["--api-server-count", "2", "--data-dir", "somewhere"], "Batch API"),
+    (["--api-server-count", "2", "--replicas", "2"], "Ray replicas"),
+])
+def test_the_cli_refuses_what_several_api_servers_cannot_do(flags, message):
+    result = subprocess.run([sys.executable, "-m", "inflight", "serve", *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
