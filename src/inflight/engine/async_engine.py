@@ -215,8 +215,8 @@ class AsyncEngine(TokenizerOps):
         ``api_server_count``: start the core for this many front ends (this
         one first; ``front_ends`` holds the others' specs); ``join``: join a
         core another front end started instead (request ids must then differ
-        between the front ends: the server's are random; a duplicate is
-        refused to the later one). Every submission, step and abort is
+        between the front ends: the ones given here get this one's index as a
+        prefix, the server's are random uuids). Every submission, step and abort is
         recorded in ``step_log`` (the dashboard's source). Blocks until the
         model is loaded; raises what stopped it from loading."""
         for name, value in (("max_waiting_requests", max_waiting_requests),
@@ -239,7 +239,7 @@ class AsyncEngine(TokenizerOps):
         self.index = 0 if join is None else join.index
         self.shared = api_server_count > 1 or join is not None
         self.front_ends: list[FrontEndSpec] = []
-        self.step_log = StepLog()
+        self.step_log = StepLog(own_only=self.shared)
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -482,10 +482,11 @@ class AsyncEngine(TokenizerOps):
                 self._send(AbortRequests(list(self._streams)))
         self._core.stop(30)
         self._fail_all(EngineDeadError("the engine is shutting down"))
-        self._close()
+        self._close(linger=1000 if isinstance(self._core, _JoinedCore) else 0)
 
-    def _close(self) -> None:
-        self._ops.close(linger=0)
+    def _close(self, linger: int = 0) -> None:
+        """``linger``: how long (ms) ops not yet sent may hold up the close."""
+        self._ops.close(linger=linger)
         self._events.close(linger=0)
         self._context.term()
         if self._socket_dir is not None:

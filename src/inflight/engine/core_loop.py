@@ -147,9 +147,10 @@ def serve_core(config: EngineConfig, context: zmq.Context, ops_addresses: list[s
     for address in ops_addresses:
         ops.connect(address)
     sockets = []
-    for address in events_addresses:
+    for i, address in enumerate(events_addresses):
         events = context.socket(zmq.PUSH)
-        events.setsockopt(zmq.LINGER, 5000)
+        # (An added front end gone before the core is not waited for.)
+        events.setsockopt(zmq.LINGER, 5000 if i == 0 else 0)
         # Never block the core on a front end that is behind (or not up yet).
         events.setsockopt(zmq.SNDHWM, 0)
         events.connect(address)

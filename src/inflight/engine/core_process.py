@@ -36,7 +36,8 @@ class CoreProcessSpec(msgspec.Struct):
     log_level: int = logging.INFO
 
 
-def _exit_with_parent(parent: int) -> None:
+def exit_with_parent(parent: int) -> None:
+    """(A thread) end this process once its parent ``parent`` is gone."""
     while os.getppid() == parent:
         time.sleep(PARENT_POLL_SECONDS)
     os._exit(1)
@@ -45,7 +46,7 @@ def _exit_with_parent(parent: int) -> None:
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True,
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True,
                      name="inflight-parent-watch").start()
     spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreProcessSpec)
     logging.basicConfig(level=spec.log_level, format="%(levelname)s %(name)s: %(message)s")

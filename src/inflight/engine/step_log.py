@@ -114,9 +114,15 @@ class _Second:
 
 class StepLog:
     def __init__(self, *, max_steps: int = 4096, max_requests: int = 256,
-                 window_s: float = 60.0, clock: Callable[[], float] = time.time) -> None:
+                 window_s: float = 60.0, clock: Callable[[], float] = time.time,
+                 own_only: bool = False) -> None:
+        """``own_only``: the batch's rows of sequences not submitted here are
+        left out (one of several front ends of a core: they are another's,
+        and it would not hear of their ends), but for the beams a search
+        submitted here forks."""
         if max_steps < 1 or max_requests < 1 or window_s <= 0:
             raise ValueError("max_steps and max_requests must be >= 1 and window_s > 0")
+        self.own_only = own_only
         self.window_s = window_s
         self.clock = clock
         self.capacity = 0          # max_num_seqs of the engine, set once it is built
@@ -185,6 +191,8 @@ class StepLog:
                     continue
                 live = self._live.get(seq)
                 if live is None:  # submitted before the log existed, or a beam
+                    if self.own_only and seq.rpartition("#")[0] not in self._histories:
+                        continue
                     live = self._live[seq] = _Live(seq, None)
                 if live.slot is None:
                     live.slot = self._take_slot(seq)

@@ -37,12 +37,14 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from inflight.config import EngineConfig
 from inflight.engine.async_engine import FrontEndSpec
+from inflight.engine.core_process import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +52,6 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0
 # Beyond the shutdown timeout, how long the others may take to exit.
 EXIT_GRACE_S = 10.0
-# How often a process looks whether its parent is still there.
-PARENT_POLL_SECONDS = 0.2
 
 
 class ApiServerSpec(msgspec.Struct):
@@ -71,9 +71,16 @@ def serve_with_api_servers(config: EngineConfig, count: int, *, host: str, port:
                            shutdown_timeout: float, log_level: str, **options: Any) -> int:
     """``launch.serve`` with ``count`` API server processes; the exit status.
     Call it before prometheus_client is imported (it reads where metrics go
-    when first imported), unless ``PROMETHEUS_MULTIPROC_DIR`` was set."""
+    when first imported), unless ``PROMETHEUS_MULTIPROC_DIR`` was set (to an
+    empty directory: the files of an earlier run would add to the counts)."""
+    if not hasattr(os, "pidfd_open"):
+        raise ValueError("several API servers need Linux (pidfd_open, SO_REUSEPORT)")
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given is not None and any(Path(given).glob("*.db")):
+        raise ValueError(f"PROMETHEUS_MULTIPROC_DIR={given} holds the metrics of an earlier "
+                         "run: give an empty directory")
     own_dir = None
-    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+    if given is None:
         own_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
             prefix="inflight-metrics-")
     try:
@@ -95,7 +102,7 @@ def _serve(config: EngineConfig, count: int, *, host: str, port: int, shutdown_t
                          "it is first imported: it was imported before")
     from inflight.server.launch import AppRunner, make_server
 
-    sock = listen(host, port)
+    sock = _first_listener(host, port)
     group = ApiServerGroup(shutdown_timeout)
     runner = AppRunner(shutdown_timeout, log_level, on_signal=group.forward)
     try:
@@ -125,9 +132,24 @@ def _serve(config: EngineConfig, count: int, *, host: str, port: int, shutdown_t
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port`` that the other API servers share."""
-    return socket.create_server((host, port), reuse_port=True,
-                                family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    """A socket bound to ``host:port`` that the other API servers share
+    (SO_REUSEPORT); it listens once uvicorn serves it, so that no connection
+    waits on a process that is still starting."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _first_listener(host: str, port: int) -> socket.socket:
+    """The server's own socket: the port must be free, not shared with
+    another server's processes (which SO_REUSEPORT alone would allow)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.create_server((host, port), family=family) as probe:
+        port = probe.getsockname()[1]
+    return listen(host, port)
 
 
 class ApiServerGroup:
@@ -167,21 +189,21 @@ class ApiServerGroup:
                 self.on_exit()
 
     def forward(self, sig: int) -> None:
-        """Pass a signal the server got on to the others, once (a second one
-        would make uvicorn skip the drain)."""
-        if self._signalled:
-            return
+        """Pass a signal the server got on to the others, as SIGTERM (a
+        second one, as to the server, skips the drain; SIGINT would end them
+        with a KeyboardInterrupt's traceback)."""
         self._signalled = True
         self._stopping = True
         for process in self.processes:
             if process.poll() is None:
-                process.send_signal(sig)
+                process.send_signal(signal.SIGTERM)
 
     def stop(self, remove: str | None = None) -> None:
         """Let each process finish its requests (up to the shutdown timeout),
         then kill what is left, and remove the directory ``remove``; any
         thread, more than once."""
-        self.forward(signal.SIGTERM)
+        if not self._signalled:
+            self.forward(signal.SIGTERM)
         deadline = time.monotonic() + self.shutdown_timeout + EXIT_GRACE_S
         for process in self.processes:
             try:
@@ -194,17 +216,11 @@ class ApiServerGroup:
             shutil.rmtree(remove, ignore_errors=True)
 
 
-def _exit_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(PARENT_POLL_SECONDS)
-    os._exit(1)
-
-
 def main() -> int:
     """An added API server process (see the module docstring)."""
     from inflight.server.launch import AppRunner, make_server
 
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True,
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True,
                      name="inflight-parent-watch").start()
     spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ApiServerSpec)
     logging.basicConfig(level=spec.log_level.upper(),

@@ -41,17 +41,10 @@ DEAD_EXIT_DELAY_S = 2.0
 
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
-          shutdown_timeout: float = 30.0, log_level: str = "info", api_server_count: int = 1,
-          **options: Any) -> int:
+          shutdown_timeout: float = 30.0, log_level: str = "info", **options: Any) -> int:
     """Serve until SIGTERM or SIGINT (0), or until the engine dies (1);
-    ``options`` are those of ``make_server``. ``api_server_count`` > 1: that
-    many API server processes over the one engine (``server.api_servers``)."""
-    if api_server_count > 1:
-        from inflight.server.api_servers import serve_with_api_servers
-
-        return serve_with_api_servers(config, api_server_count, host=host, port=port,
-                                      shutdown_timeout=shutdown_timeout, log_level=log_level,
-                                      **options)
+    ``options`` are those of ``make_server``. (Several API server processes:
+    ``server.api_servers.serve_with_api_servers``.)"""
     runner = AppRunner(shutdown_timeout, log_level)
     engine, app = make_server(config, on_dead=runner.on_dead, **options)
     return runner.run(engine, app, host=host, port=port)
