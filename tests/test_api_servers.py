@@ -22,6 +22,7 @@ from server_helpers import free_port
 from test_engine_process import PROMPTS, children_of, gone, stream_completion
 
 from inflight import LLM, SamplingParams
+from inflight.core.beam_search import BeamSearchParams
 from inflight.config import EngineConfig
 from inflight.engine.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
 from inflight.engine.step_stats import StepStats
@@ -137,6 +138,48 @@ def test_two_front_ends_share_one_core(tiny_model):
     finally:
         first.shutdown()
     assert gone(first.pid, 10)
+
+
+def test_samples_and_beams_through_a_joined_front_end(tiny_model):
+    config = EngineConfig(str(tiny_model("llama-gqa")), kv_cache_memory="16MiB")
+    steps: list[StepStats] = []
+    first = AsyncEngine(config, api_server_count=2)
+    try:
+        second = AsyncEngine(config, join=first.front_ends[0], on_step=steps.append)
+        try:
+            samples = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10,
+                                     ignore_eos=True)
+            beams = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+
+            async def texts(engine: AsyncEngine, params) -> list[str]:
+                final = None
+                async for output in engine.generate(PROMPTS[1], params, stream=False):
+                    final = output
+                return [o.text for o in final.outputs]
+
+            async def beside_others() -> list[list[str]]:
+                plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+                results = await asyncio.gather(
+                    texts(second, samples), texts(second, beams),
+                    *(collect(first, p, plain) for p in PROMPTS))
+                return results[:2]
+
+            shared = asyncio.run(beside_others())
+
+            async def alone() -> list[list[str]]:
+                return [await texts(first, samples), await texts(first, beams)]
+
+            assert shared == asyncio.run(alone())
+            assert len(shared[0]) == 2 and len(shared[1]) == 3
+            # The second front end counted the ends of its two samples and its
+            # search, nothing else.
+            reasons = [r for s in steps for r, *_ in s.finished]
+            assert sorted(reasons) == ["length"] * 3
+            assert idle(first)
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
 
 
 def test_a_front_end_hears_when_the_core_it_joined_dies(tiny_model):
