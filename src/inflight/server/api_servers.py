@@ -13,8 +13,9 @@ connections accepts all that are queued, so a burst of clients may all land
 on one process, and a client's connection is kept for its requests.) Their
 metrics are Prometheus's multiprocess kind (``server.metrics``), kept in
 files under ``PROMETHEUS_MULTIPROC_DIR`` (a temporary directory unless it is
-set), so a scrape of any sees all; the dashboard of each shows every step and its own requests. The
-Batch API is not served (it keeps one job store for one process).
+set), so a scrape of any sees all; the dashboard of each shows every step and
+its own requests. The Batch API is not served (it keeps one job store for
+one process).
 
 They live and die together: SIGTERM or SIGINT to the server is passed on to
 the others, every process drains its requests (``--shutdown-timeout``),
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -159,11 +161,11 @@ class ApiServerGroup:
     def __init__(self, shutdown_timeout: float) -> None:
         self.shutdown_timeout = shutdown_timeout
         self.processes: list[subprocess.Popen] = []
-        self.on_exit: Any = None  # called when one exits on its own
+        self.on_exit: Callable[[], None] | None = None  # when one exits on its own
         self._stopping = False
         self._signalled = False
 
-    def start(self, specs: Any) -> None:
+    def start(self, specs: Iterable[ApiServerSpec]) -> None:
         """Start one process per spec and wait until each has joined the core."""
         for spec in specs:
             process = subprocess.Popen(
