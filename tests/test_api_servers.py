@@ -19,7 +19,8 @@ import httpx
 import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from server_helpers import free_port
-from test_engine_process import PROMPTS, children_of, gone, stream_completion
+from test_engine_process import (PROMPTS, children_of, gone, sigterm_during_a_stream,
+                                 wait_healthy)
 
 from inflight import LLM, SamplingParams
 from inflight.core.beam_search import BeamSearchParams
@@ -221,18 +222,7 @@ class ServeSeveral:
              str(self.port), "--kv-cache-memory", "16MiB", "--api-server-count", str(count),
              *flags], env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)},
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 120
-        while len(children_of(self.process.pid)) < count and time.monotonic() < deadline:
-            assert self.process.poll() is None, self.process.stderr.read()
-            time.sleep(0.1)
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.process.stderr.read()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(self.process, self.url)
         children = children_of(self.process.pid)
         self.api_pids = [p for p in children if b"inflight.server.api_servers" in
                          Path(f"/proc/{p}/cmdline").read_bytes()]
@@ -312,17 +302,8 @@ def test_three_api_servers_give_the_offline_tokens_and_stop_together(tiny_model,
             assert scrape('inflight:request_success_total{finished_reason="length"') == ["80.0"]
         # SIGTERM: a stream in flight (on whichever process) is finished, then
         # every process exits.
-        events: list = []
-        started = threading.Event()
-        reader = threading.Thread(target=stream_completion, args=(
-            server.url, {"prompt": "the quick", "max_tokens": 300, "ignore_eos": True,
-                         "temperature": 0}, events, started))
-        reader.start()
-        assert started.wait(30)
-        server.process.send_signal(signal.SIGTERM)
-        reader.join(60)
-        assert events[-1] == "done"
-        chunks = [e for e in events[:-1] if isinstance(e, dict)]
+        chunks = sigterm_during_a_stream(server.url, server.process, 300)
+        assert not any("error" in c for c in chunks)
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         server.process.wait(timeout=60)
         assert all(gone(pid, 10) for pid in server.pids())
@@ -330,30 +311,29 @@ def test_three_api_servers_give_the_offline_tokens_and_stop_together(tiny_model,
         server.stop()
 
 
+def health(url: str, deadline: float, until: int | None = None) -> list[int]:
+    """/health's statuses, asked on new connections (the kernel spreads them
+    over the processes) until the ``time.monotonic()`` ``deadline`` or the
+    status ``until``."""
+    statuses = []
+    while time.monotonic() < deadline and until not in statuses:
+        try:
+            statuses.append(httpx.get(f"{url}/health", timeout=0.5).status_code)
+        except httpx.HTTPError:
+            pass
+    return statuses
+
+
 def test_kill_9_of_the_engine_is_an_error_in_every_api_server(tiny_model, tmp_path):
     server = ServeSeveral(tiny_model("llama-gqa"), 2, tmp_path)
     try:
         os.kill(server.engine_pid, signal.SIGKILL)
         killed = time.monotonic()
-        statuses: set[int] = set()
-        while time.monotonic() - killed < 1.0:
-            # (new connections: the kernel spreads them over both processes)
-            try:
-                statuses.add(httpx.get(f"{server.url}/health", timeout=0.5).status_code)
-            except httpx.HTTPError:
-                pass
-            if 503 in statuses:
-                break
-        assert statuses >= {503}
+        assert 503 in health(server.url, killed + 1.0, until=503)
         # Then every process answers 503 (until they exit, DEAD_EXIT_DELAY_S
-        # after they heard: asked on new connections, spread over both).
+        # after they heard).
         time.sleep(max(0.0, killed + 0.5 - time.monotonic()))
-        late = []
-        while time.monotonic() - killed < 1.5:
-            try:
-                late.append(httpx.get(f"{server.url}/health", timeout=0.5).status_code)
-            except httpx.HTTPError:
-                pass
+        late = health(server.url, killed + 1.5)
         assert len(late) >= 4 and set(late) == {503}, late
         assert server.process.wait(timeout=30) == 1
         assert all(gone(pid, 10) for pid in server.pids())

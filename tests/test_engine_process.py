@@ -55,6 +55,20 @@ def gone(pid: int, within: float) -> bool:
     return False
 
 
+def wait_healthy(server: subprocess.Popen, url: str, within: float = 120) -> None:
+    """Wait until the server ``server`` answers 200 on /health."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        assert server.poll() is None, server.stderr.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} was not healthy within {within} s")
+
+
 class ServeProcess:
     """``inflight serve`` over a model, as a user starts it."""
 
@@ -66,15 +80,7 @@ class ServeProcess:
              str(self.port), "--kv-cache-memory", "16MiB", "--data-dir",
              str(model.parent / f"data-{self.port}"), *flags],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.process.stderr.read()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(self.process, self.url)
         engines = children_of(self.process.pid)
         assert len(engines) == 1, engines
         self.engine_pid = engines[0]
@@ -217,20 +223,26 @@ def test_kill_9_of_the_engine_ends_requests_with_an_error_and_the_server(tiny_mo
         server.stop()
 
 
+def sigterm_during_a_stream(url: str, server: subprocess.Popen, max_tokens: int) -> list[dict]:
+    """SIGTERM to ``server`` while a greedy stream of ``max_tokens`` is read
+    from it; the stream's chunks, once it is done."""
+    events: list = []
+    started = threading.Event()
+    reader = threading.Thread(target=stream_completion, args=(
+        url, {"prompt": "the quick", "max_tokens": max_tokens, "ignore_eos": True,
+              "temperature": 0}, events, started))
+    reader.start()
+    assert started.wait(30)
+    server.send_signal(signal.SIGTERM)
+    reader.join(60)
+    assert events[-1] == "done"
+    return [e for e in events[:-1] if isinstance(e, dict)]
+
+
 def test_sigterm_drains_the_requests_then_both_processes_exit(tiny_model):
     server = ServeProcess(tiny_model("llama-gqa"), "--shutdown-timeout", "30")
     try:
-        events: list = []
-        started = threading.Event()
-        reader = threading.Thread(target=stream_completion, args=(
-            server.url, {"prompt": "the quick", "max_tokens": 400, "ignore_eos": True,
-                         "temperature": 0}, events, started))
-        reader.start()
-        assert started.wait(30)
-        server.process.send_signal(signal.SIGTERM)
-        reader.join(60)
-        assert events[-1] == "done"
-        chunks = [e for e in events[:-1] if isinstance(e, dict)]
+        chunks = sigterm_during_a_stream(server.url, server.process, 400)
         assert not any("error" in c for c in chunks)
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # all 400 tokens
         server.process.wait(timeout=30)
