@@ -7,6 +7,7 @@ same tokens and text."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from inflight.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from inflight.engine.output_stream import RequestStream, merge_deltas
@@ -89,3 +90,30 @@ def test_a_slow_reader_gets_the_same_tokens_in_fewer_outputs(tiny_model):
         assert slow[2] < fast[2]
 
     asyncio.run(main())
+
+
+def test_a_front_end_behind_hands_each_step_to_a_waiting_reader(tiny_model):
+    """The front end reads the core's steps one at a time, letting a waiting
+    reader take each before the next: after the loop was held up (other
+    streams' work) while the core ran ahead, the reader gets every step's token
+    on its own, not all of them in one output once the front end caught up."""
+    from inflight import SamplingParams
+    from inflight.config import EngineConfig
+    from inflight.engine.async_engine import AsyncEngine
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def main() -> list[int]:
+        engine = AsyncEngine(EngineConfig(str(tiny_model("llama-gqa")), dtype="float32",
+                                          kv_cache_memory="8MiB"), in_process=True)
+        sizes = []
+        try:
+            async for out in engine.generate({"prompt_token_ids": [3, 4, 5]}, params):
+                sizes.append(len(out.outputs[0].token_ids))
+                if len(sizes) == 1:
+                    time.sleep(0.3)  # (the loop held: the core runs on meanwhile)
+        finally:
+            engine.shutdown()
+        return sizes
+
+    assert asyncio.run(main()) == [1] * 24

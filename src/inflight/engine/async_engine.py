@@ -542,6 +542,12 @@ class AsyncEngine(TokenizerOps):
                 return
             if isinstance(event, CoreOutputs):
                 self._take(event)
+                # Let the streams send this step's tokens before the next step's
+                # are read: a message already waiting is taken without a pause
+                # (pyzmq's future is done), so a front end behind by a few steps
+                # held every stream's chunk back until it had read them all (the
+                # tiny model, 64 clients on two cores: ITL p99 14 ms, 10 with this).
+                await asyncio.sleep(0)
             elif isinstance(event, UtilityReply):
                 future = self._calls.pop(event.call_id, None)
                 if future is not None and not future.done():
