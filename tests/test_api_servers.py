@@ -307,6 +307,20 @@ def test_three_api_servers_give_the_offline_tokens_and_stop_together(tiny_model,
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         server.process.wait(timeout=60)
         assert all(gone(pid, 10) for pid in server.pids())
+        assert '"POST /v1/completions HTTP/1.1" 200' in server.process.stderr.read()
+    finally:
+        server.stop()
+
+
+def test_no_access_log_in_any_api_server(tiny_model, tmp_path):
+    server = ServeSeveral(tiny_model("llama-gqa"), 2, tmp_path, "--disable-uvicorn-access-log")
+    try:
+        assert len(asyncio.run(completions(server.url, PROMPTS * 4, False))) == 16
+        assert sum(server.successes().values()) == 16
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=60)
+        log = server.process.stderr.read()
+        assert "POST /v1/completions" not in log and "GET /health" not in log, log
     finally:
         server.stop()
 

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="end with an error a request not scheduled within this time")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, how long in-flight requests may take to finish")
+    srv.add_argument("--disable-uvicorn-access-log", action="store_true",
+                     help="no log line per HTTP request")
     srv.add_argument("--api-server-count", type=int, default=1, metavar="N",
                      help="serve HTTP from N processes over the one engine (when one "
                           "interpreter cannot keep up with streaming; no Batch API then)")
@@ -385,7 +387,8 @@ def _serve(args: argparse.Namespace) -> int:
                    max_waiting_per_tenant=args.max_waiting_per_tenant,
                    max_queue_wait=args.max_queue_wait, shutdown_timeout=args.shutdown_timeout,
                    log_level=args.log_level.lower(), tool_call_parser=args.tool_call_parser,
-                   enable_auto_tool_choice=args.enable_auto_tool_choice)
+                   enable_auto_tool_choice=args.enable_auto_tool_choice,
+                   access_log=not args.disable_uvicorn_access_log)
     if several:  # (before anything imports prometheus_client: see server.api_servers)
         from inflight.server.api_servers import serve_with_api_servers
 

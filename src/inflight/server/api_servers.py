@@ -67,10 +67,12 @@ class ApiServerSpec(msgspec.Struct):
     options: dict[str, Any]
     shutdown_timeout: float
     log_level: str
+    access_log: bool
 
 
 def serve_with_api_servers(config: EngineConfig, count: int, *, host: str, port: int,
-                           shutdown_timeout: float, log_level: str, **options: Any) -> int:
+                           shutdown_timeout: float, log_level: str, access_log: bool = True,
+                           **options: Any) -> int:
     """``launch.serve`` with ``count`` API server processes; the exit status.
     Call it before prometheus_client is imported (it reads where metrics go
     when first imported), unless ``PROMETHEUS_MULTIPROC_DIR`` was set (to an
@@ -87,7 +89,7 @@ def serve_with_api_servers(config: EngineConfig, count: int, *, host: str, port:
             prefix="inflight-metrics-")
     try:
         return _serve(config, count, host=host, port=port, shutdown_timeout=shutdown_timeout,
-                      log_level=log_level, own_dir=own_dir, **options)
+                      log_level=log_level, access_log=access_log, own_dir=own_dir, **options)
     finally:
         if own_dir is not None:
             del os.environ["PROMETHEUS_MULTIPROC_DIR"]
@@ -95,7 +97,7 @@ def serve_with_api_servers(config: EngineConfig, count: int, *, host: str, port:
 
 
 def _serve(config: EngineConfig, count: int, *, host: str, port: int, shutdown_timeout: float,
-           log_level: str, own_dir: str | None, **options: Any) -> int:
+           log_level: str, access_log: bool, own_dir: str | None, **options: Any) -> int:
     from prometheus_client import values
 
     if values.ValueClass is values.MutexValue:
@@ -106,7 +108,7 @@ def _serve(config: EngineConfig, count: int, *, host: str, port: int, shutdown_t
 
     sock = _first_listener(host, port)
     group = ApiServerGroup(shutdown_timeout)
-    runner = AppRunner(shutdown_timeout, log_level, on_signal=group.forward)
+    runner = AppRunner(shutdown_timeout, log_level, access_log, on_signal=group.forward)
     try:
         # (The app's shutdown waits for the others; the signal that stopped it
         # may end this process before the caller's cleanup: the files go now.)
@@ -118,7 +120,7 @@ def _serve(config: EngineConfig, count: int, *, host: str, port: int, shutdown_t
     try:
         port = sock.getsockname()[1]  # (the one chosen for port 0)
         group.start(ApiServerSpec(config, front_end, host, port, options, shutdown_timeout,
-                                  log_level) for front_end in engine.front_ends)
+                                  log_level, access_log) for front_end in engine.front_ends)
     except BaseException:
         group.stop()
         engine.shutdown()
@@ -229,7 +231,7 @@ def main() -> int:
                         format=f"%(levelname)s api-server-{spec.front_end.index} %(name)s: "
                                "%(message)s")
     sock = listen(spec.host, spec.port)
-    runner = AppRunner(spec.shutdown_timeout, spec.log_level)
+    runner = AppRunner(spec.shutdown_timeout, spec.log_level, spec.access_log)
     engine, app = make_server(spec.config, on_dead=runner.on_dead, join=spec.front_end,
                               **spec.options)
     sys.stdout.write("ready\n")

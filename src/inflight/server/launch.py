@@ -41,11 +41,13 @@ DEAD_EXIT_DELAY_S = 2.0
 
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
-          shutdown_timeout: float = 30.0, log_level: str = "info", **options: Any) -> int:
+          shutdown_timeout: float = 30.0, log_level: str = "info", access_log: bool = True,
+          **options: Any) -> int:
     """Serve until SIGTERM or SIGINT (0), or until the engine dies (1);
-    ``options`` are those of ``make_server``. (Several API server processes:
+    ``options`` are those of ``make_server``; ``access_log``: uvicorn's line
+    per request. (Several API server processes:
     ``server.api_servers.serve_with_api_servers``.)"""
-    runner = AppRunner(shutdown_timeout, log_level)
+    runner = AppRunner(shutdown_timeout, log_level, access_log)
     engine, app = make_server(config, on_dead=runner.on_dead, **options)
     return runner.run(engine, app, host=host, port=port)
 
@@ -55,10 +57,11 @@ class AppRunner:
     ``DEAD_EXIT_DELAY_S`` after its engine died (or ``fail`` was called);
     ``on_signal`` hears SIGTERM and SIGINT first."""
 
-    def __init__(self, shutdown_timeout: float, log_level: str,
+    def __init__(self, shutdown_timeout: float, log_level: str, access_log: bool = True,
                  on_signal: Callable[[int], None] | None = None) -> None:
         self.shutdown_timeout = shutdown_timeout
         self.log_level = log_level
+        self.access_log = access_log
         self.on_signal = on_signal
         self.failed = threading.Event()
         self.server: uvicorn.Server | None = None
@@ -89,6 +92,7 @@ class AppRunner:
                 super().handle_exit(sig, frame)
 
         self.server = Server(uvicorn.Config(app, host=host, port=port, log_level=self.log_level,
+                                            access_log=self.access_log,
                                             timeout_graceful_shutdown=self.shutdown_timeout))
         if self.failed.is_set():  # (it died while the server was being made)
             self._stop()
