@@ -111,11 +111,44 @@ def stream_completion(url: str, body: dict, events: list, started: threading.Eve
     started.set()
 
 
+def offline_texts(path: Path, max_tokens: int = 12) -> list[str]:
+    """PROMPTS' greedy texts from the offline engine."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].text for o in LLM(str(path), kv_cache_memory="16MiB").generate(
+        PROMPTS, params, use_tqdm=False)]
+
+
+async def completions(url: str, prompts: list[str], stream: bool, max_tokens: int = 12
+                      ) -> list[str]:
+    """Each prompt's greedy text from the server at ``url``, all at once,
+    every request on a connection of its own."""
+    async def one(prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": stream}
+        async with httpx.AsyncClient(timeout=60) as http:
+            if not stream:
+                r = await http.post(f"{url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+            text = ""
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+            return text
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def streamed_as_offline(streamed: list[str], offline: list[str]) -> bool:
+    """Whether each streamed text is its offline one, but for trailing U+FFFD
+    (a stream never sends the bytes of a character not yet complete)."""
+    return all(text.startswith(s) and set(text[len(s):]) <= {"\ufffd"}
+               for s, text in zip(streamed, offline, strict=True))
+
+
 def test_the_server_gives_the_offline_tokens_from_an_engine_process(tiny_model):
     path = tiny_model("llama-gqa")
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    offline = [o.outputs[0].text for o in LLM(str(path), kv_cache_memory="16MiB").generate(
-        PROMPTS, params, use_tqdm=False)]
+    offline = offline_texts(path)
     server = start_server(EngineConfig(str(path), kv_cache_memory="16MiB"))
     try:
         assert server.engine.pid is not None and server.engine.pid in children_of(os.getpid())
@@ -123,28 +156,8 @@ def test_the_server_gives_the_offline_tokens_from_an_engine_process(tiny_model):
         environ = Path(f"/proc/{server.engine.pid}/environ").read_bytes().split(b"\0")
         assert (b"OMP_WAIT_POLICY=" + os.environ.get("OMP_WAIT_POLICY", "PASSIVE").encode()
                 in environ)
-
-        async def all_at_once(stream: bool) -> list[str]:
-            async with httpx.AsyncClient(timeout=60) as http:
-                async def one(prompt: str) -> str:
-                    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0,
-                            "ignore_eos": True, "stream": stream}
-                    if not stream:
-                        r = await http.post(f"{server.url}/v1/completions", json=body)
-                        return r.json()["choices"][0]["text"]
-                    text = ""
-                    async with http.stream("POST", f"{server.url}/v1/completions",
-                                           json=body) as r:
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: ") and line != "data: [DONE]":
-                                text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
-                    return text
-                return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
-
-        assert asyncio.run(all_at_once(False)) == offline
-        # (A stream never sends the U+FFFD of bytes that end mid-character.)
-        for streamed, text in zip(asyncio.run(all_at_once(True)), offline):
-            assert text.startswith(streamed) and set(text[len(streamed):]) <= {"\ufffd"}
+        assert asyncio.run(completions(server.url, PROMPTS, False)) == offline
+        assert streamed_as_offline(asyncio.run(completions(server.url, PROMPTS, True)), offline)
         # A request the core refuses (n above max_num_seqs=128 would be a 400 of
         # the API's own; this one fails only in the core) gets a 400, not a hang.
         r = httpx.post(f"{server.url}/v1/completions",
