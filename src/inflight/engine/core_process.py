@@ -36,18 +36,21 @@ class CoreProcessSpec(msgspec.Struct):
     log_level: int = logging.INFO
 
 
-def exit_with_parent(parent: int) -> None:
-    """(A thread) end this process once its parent ``parent`` is gone."""
-    while os.getppid() == parent:
-        time.sleep(PARENT_POLL_SECONDS)
-    os._exit(1)
+def follow_parent() -> None:
+    """End this process once its parent is gone (a thread watches)."""
+    def watch(parent: int) -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, args=(os.getppid(),), daemon=True,
+                     name="inflight-parent-watch").start()
 
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True,
-                     name="inflight-parent-watch").start()
+    follow_parent()
     spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreProcessSpec)
     logging.basicConfig(level=spec.log_level, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()

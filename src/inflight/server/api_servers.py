@@ -46,7 +46,7 @@ import msgspec
 
 from inflight.config import EngineConfig
 from inflight.engine.async_engine import FrontEndSpec
-from inflight.engine.core_process import exit_with_parent
+from inflight.engine.core_process import follow_parent
 
 logger = logging.getLogger(__name__)
 
@@ -139,19 +139,21 @@ def listen(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` that the other API servers share
     (SO_REUSEPORT); it listens once uvicorn serves it, so that no connection
     waits on a process that is still starting."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     return sock
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _first_listener(host: str, port: int) -> socket.socket:
     """The server's own socket: the port must be free, not shared with
     another server's processes (which SO_REUSEPORT alone would allow)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.create_server((host, port), family=family) as probe:
+    with socket.create_server((host, port), family=_family(host)) as probe:
         port = probe.getsockname()[1]
     return listen(host, port)
 
@@ -224,8 +226,7 @@ def main() -> int:
     """An added API server process (see the module docstring)."""
     from inflight.server.launch import AppRunner, make_server
 
-    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True,
-                     name="inflight-parent-watch").start()
+    follow_parent()
     spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ApiServerSpec)
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(levelname)s api-server-{spec.front_end.index} %(name)s: "

@@ -104,19 +104,21 @@ class EngineMetrics:
         MultiProcessCollector(registry)
         return generate_latest(registry)
 
+    def _load_gauges(self) -> list[tuple[Gauge, str]]:
+        """Each load gauge and the ``EngineLoad`` field it shows."""
+        return [(self.num_running, "num_running"), (self.num_waiting, "num_waiting"),
+                (self.num_background_waiting, "num_background_waiting"),
+                (self.kv_usage, "kv_cache_usage")]
+
     def set_load(self, load: EngineLoad) -> None:
         """(Multiprocess) set the gauges."""
-        self.num_running.set(load.num_running)
-        self.num_waiting.set(load.num_waiting)
-        self.num_background_waiting.set(load.num_background_waiting)
-        self.kv_usage.set(load.kv_cache_usage)
+        for gauge, field in self._load_gauges():
+            gauge.set(getattr(load, field))
 
     def watch(self, load: Callable[[], EngineLoad]) -> None:
         """Read the gauges from ``load()`` at every scrape (one process only)."""
-        self.num_running.set_function(lambda: load().num_running)
-        self.num_waiting.set_function(lambda: load().num_waiting)
-        self.num_background_waiting.set_function(lambda: load().num_background_waiting)
-        self.kv_usage.set_function(lambda: load().kv_cache_usage)
+        for gauge, field in self._load_gauges():
+            gauge.set_function(lambda field=field: getattr(load(), field))
 
     def on_step(self, stats: StepStats) -> None:
         if stats.num_tokens:
