@@ -101,7 +101,11 @@ class Tokenizer:
         return None if eos is None else self._tok.token_to_id(eos)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """The text's token ids, computed without the interpreter lock (which
+        ``tokenizers`` holds throughout its one-text ``encode`` and lets go in
+        its batch calls): a thread that tokenizes leaves an event loop beside
+        it free to run."""
+        return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
