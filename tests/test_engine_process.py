@@ -72,14 +72,16 @@ def wait_healthy(server: subprocess.Popen, url: str, within: float = 120) -> Non
 class ServeProcess:
     """``inflight serve`` over a model, as a user starts it."""
 
-    def __init__(self, model: Path, *flags: str) -> None:
+    def __init__(self, model: Path, *flags: str, tmp: Path | None = None) -> None:
+        """``tmp``: the server's temporary directory (``TMPDIR``)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "inflight", "serve", "--model", str(model), "--port",
              str(self.port), "--kv-cache-memory", "16MiB", "--data-dir",
              str(model.parent / f"data-{self.port}"), *flags],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=None if tmp is None else {**os.environ, "TMPDIR": str(tmp)})
         wait_healthy(self.process, self.url)
         engines = children_of(self.process.pid)
         assert len(engines) == 1, engines
@@ -252,13 +254,32 @@ def sigterm_during_a_stream(url: str, server: subprocess.Popen, max_tokens: int)
     return [e for e in events[:-1] if isinstance(e, dict)]
 
 
-def test_sigterm_drains_the_requests_then_both_processes_exit(tiny_model):
-    server = ServeProcess(tiny_model("llama-gqa"), "--shutdown-timeout", "30")
+def sockets_dirs(tmp: Path) -> list[str]:
+    """The engine sockets' directories in ``tmp``."""
+    return [p.name for p in tmp.iterdir() if p.name.startswith("inflight-")]
+
+
+def test_sigterm_drains_the_requests_then_both_processes_exit(tiny_model, tmp_path):
+    server = ServeProcess(tiny_model("llama-gqa"), "--shutdown-timeout", "30", tmp=tmp_path)
     try:
+        assert len(sockets_dirs(tmp_path)) == 1
         chunks = sigterm_during_a_stream(server.url, server.process, 400)
         assert not any("error" in c for c in chunks)
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # all 400 tokens
         server.process.wait(timeout=30)
         assert gone(server.engine_pid, 10)
+        assert sockets_dirs(tmp_path) == []
+    finally:
+        server.stop()
+
+
+def test_kill_9_of_the_server_takes_its_engine_and_sockets_with_it(tiny_model, tmp_path):
+    server = ServeProcess(tiny_model("llama-gqa"), tmp=tmp_path)
+    try:
+        assert len(sockets_dirs(tmp_path)) == 1
+        server.process.kill()
+        server.process.wait()
+        assert gone(server.engine_pid, 10)
+        assert sockets_dirs(tmp_path) == []
     finally:
         server.stop()

@@ -127,11 +127,11 @@ class _CoreThread(_Core):
 
 class _CoreProcess(_Core):
     def __init__(self, config: EngineConfig, ops: list[str], events: list[str],
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], socket_dir: str) -> None:
         from inflight.engine.core_process import CoreProcessSpec
 
         spec = CoreProcessSpec(config, ops, events, log_level=logging.getLogger(
-            "inflight").getEffectiveLevel(), **options)
+            "inflight").getEffectiveLevel(), socket_dir=socket_dir, **options)
         self.process = subprocess.Popen([sys.executable, "-m", "inflight.engine.core_process"],
                                         stdin=subprocess.PIPE, env=core_process_env(os.environ))
         self.process.stdin.write(msgspec.msgpack.encode(spec))
@@ -279,7 +279,7 @@ class AsyncEngine(TokenizerOps):
                        "count_tenants": max_waiting_per_tenant is not None}
             self._core = (_CoreThread(config, self._context, list(ops), list(events), options)
                           if in_process else _CoreProcess(config, list(ops), list(events),
-                                                          options))
+                                                          options, self._socket_dir.name))
             try:
                 ready = self._wait_ready()
             except BaseException:

@@ -5,17 +5,22 @@ ipc:// sockets until told to stop.
 
 It follows its parent: SIGINT and SIGTERM are ignored (the server drains its
 requests first, then sends Shutdown), and it exits as soon as its parent is
-gone, however that went, so no engine outlives its server.
+gone, however that went, so no engine outlives its server; a parent that went
+without a word (kill -9) also left the sockets' directory behind, which the
+engine then removes.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -34,24 +39,32 @@ class CoreProcessSpec(msgspec.Struct):
     max_queue_wait: float | None = None
     count_tenants: bool = False
     log_level: int = logging.INFO
+    socket_dir: str | None = None  # the addresses' directory, which the parent made
 
 
-def follow_parent() -> None:
-    """End this process once its parent is gone (a thread watches)."""
+def follow_parent(orphaned: Callable[[], None] | None = None, parent: int | None = None) -> None:
+    """End this process once its parent (``parent``, if it was that one at
+    first) is gone (a thread watches), after ``orphaned``."""
     def watch(parent: int) -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_SECONDS)
+        if orphaned is not None:
+            orphaned()
         os._exit(1)
 
-    threading.Thread(target=watch, args=(os.getppid(),), daemon=True,
-                     name="inflight-parent-watch").start()
+    threading.Thread(target=watch, args=(os.getppid() if parent is None else parent,),
+                     daemon=True, name="inflight-parent-watch").start()
 
 
 def main() -> int:
+    parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    follow_parent()
+    # (A parent gone before it wrote the whole spec ends the read, and the
+    # decoding fails.)
     spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreProcessSpec)
+    follow_parent(None if spec.socket_dir is None else
+                  functools.partial(shutil.rmtree, spec.socket_dir, ignore_errors=True), parent)
     logging.basicConfig(level=spec.log_level, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     try:
