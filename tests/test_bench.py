@@ -219,3 +219,27 @@ def test_chat_workloads_for_speculative_decoding():
     assert chat_workload("chat", 10, 0, 128) == chat
     with pytest.raises(ValueError, match="no chat workload"):
         chat_workload("poetry", 1, 0, 128)
+
+
+def test_a_benchmarks_server_takes_its_files_with_it(tiny_model, tmp_path, monkeypatch):
+    """``ServerProcess`` removes its data directory and its log when it ends
+    (and the server its sockets' directory), and keeps the log when what ran
+    against it failed."""
+    import httpx
+
+    from inflight.bench.server_process import ServerProcess
+
+    def ours() -> list[str]:
+        return sorted(p.name.rsplit("-", 1)[0] + p.suffix for p in tmp_path.iterdir()
+                      if p.name.startswith("inflight"))
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # (read from TMPDIR again)
+    config = EngineConfig(str(tiny_model("llama-gqa")), kv_cache_memory="16MiB")
+    with ServerProcess(config) as url:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        assert ours() == ["inflight", "inflight-serve-data", "inflight-serve.log"]
+    assert ours() == []
+    with pytest.raises(KeyError), ServerProcess(config):
+        raise KeyError("the benchmark failed")
+    assert ours() == ["inflight-serve.log"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import socket
@@ -19,10 +20,14 @@ import httpx
 from inflight.config import EngineConfig
 
 
+logger = logging.getLogger(__name__)
+
+
 class ServerProcess:
     """``inflight serve`` in a subprocess, for the length of a ``with``, with a
-    data directory of its own (batch jobs) that goes with it; ``server_args``
-    are its other flags."""
+    data directory of its own (batch jobs) that goes with it, and so does its
+    log, unless the server failed to start or the ``with`` failed (the log's
+    path is then named); ``server_args`` are its other flags."""
 
     def __init__(self, engine: EngineConfig, server_args: list[str] | tuple[str, ...] = ()
                  ) -> None:
@@ -54,6 +59,7 @@ class ServerProcess:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self._stop()
                 raise RuntimeError(f"inflight serve exited; see {self.log.name}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -61,10 +67,17 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.__exit__()
+        self._stop()
         raise RuntimeError(f"inflight serve did not start in 300 s; see {self.log.name}")
 
     def __exit__(self, *exc: Any) -> None:
+        self._stop()
+        if exc[0] is None:
+            os.unlink(self.log.name)
+        else:
+            logger.warning("the server's log: %s", self.log.name)
+
+    def _stop(self) -> None:
         self.process.terminate()
         try:
             self.process.wait(timeout=60)
