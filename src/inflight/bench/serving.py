@@ -14,7 +14,9 @@ The streams are read with aiohttp, as vLLM's benchmark client does, on
 uvloop's event loop where it is installed (uvicorn's ``[standard]`` extra): on
 a machine that the server shares with its load (two cores here), httpx's line
 iterator cost the client about twice the CPU per chunk, and asyncio's own loop
-a little more than uvloop's, taken from the server under test.
+a little more than uvloop's, taken from the server under test. For the same
+reason each chunk's JSON is read by msgspec (0.6 us a chunk where the
+standard library's ``json`` took 4.4, a tenth of the client's CPU).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import msgspec
 
 from inflight.workload.arrivals import RequestSpec
 from inflight.workload.results import PERCENTILES, RequestResult, report
@@ -64,7 +67,7 @@ async def send(http: aiohttp.ClientSession, url: str, model: str, spec: RequestS
                     line = raw.strip()
                     if not line.startswith(b"data: ") or line == b"data: [DONE]":
                         continue
-                    chunk = json.loads(line[6:])
+                    chunk = msgspec.json.decode(line[6:])
                     if "error" in chunk:
                         result.error = chunk["error"].get("message", "error")
                         return result
