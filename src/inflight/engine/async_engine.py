@@ -130,8 +130,8 @@ class _CoreProcess(_Core):
                  options: dict[str, Any], socket_dir: str) -> None:
         from inflight.engine.core_process import CoreProcessSpec
 
-        spec = CoreProcessSpec(config, ops, events, log_level=logging.getLogger(
-            "inflight").getEffectiveLevel(), socket_dir=socket_dir, **options)
+        spec = CoreProcessSpec(config, ops, events, socket_dir, log_level=logging.getLogger(
+            "inflight").getEffectiveLevel(), **options)
         self.process = subprocess.Popen([sys.executable, "-m", "inflight.engine.core_process"],
                                         stdin=subprocess.PIPE, env=core_process_env(os.environ))
         self.process.stdin.write(msgspec.msgpack.encode(spec))

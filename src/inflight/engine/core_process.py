@@ -36,10 +36,10 @@ class CoreProcessSpec(msgspec.Struct):
     config: EngineConfig
     ops_addresses: list[str]     # one of each per front end
     events_addresses: list[str]
+    socket_dir: str              # their directory, which the parent made
     max_queue_wait: float | None = None
     count_tenants: bool = False
     log_level: int = logging.INFO
-    socket_dir: str | None = None  # the addresses' directory, which the parent made
 
 
 def follow_parent(orphaned: Callable[[], None] | None = None, parent: int | None = None) -> None:
@@ -63,8 +63,7 @@ def main() -> int:
     # (A parent gone before it wrote the whole spec ends the read, and the
     # decoding fails.)
     spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreProcessSpec)
-    follow_parent(None if spec.socket_dir is None else
-                  functools.partial(shutil.rmtree, spec.socket_dir, ignore_errors=True), parent)
+    follow_parent(functools.partial(shutil.rmtree, spec.socket_dir, ignore_errors=True), parent)
     logging.basicConfig(level=spec.log_level, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     try:
