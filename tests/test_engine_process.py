@@ -273,6 +273,46 @@ def test_sigterm_drains_the_requests_then_both_processes_exit(tiny_model, tmp_pa
         server.stop()
 
 
+def test_an_engine_dead_before_its_server_ran_is_served_as_dead_until_its_time(monkeypatch):
+    """The engine died while the server was still being made (behind other API
+    server processes that already answer): the server still serves, /health
+    saying 503, until ``DEAD_EXIT_DELAY_S`` after the death, as those others
+    do, then exits with status 1."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from inflight.server import launch
+
+    monkeypatch.setattr(launch, "freeze_startup_heap", lambda: 0)  # (not in the test's
+    monkeypatch.setattr(launch, "log_long_pauses", lambda: None)   # own process)
+
+    class DeadEngine:  # what AppRunner.run asks of an engine
+        error = RuntimeError("the engine process was killed by signal 9")
+
+        def shutdown(self, timeout: float) -> None:
+            pass
+
+    app = FastAPI()
+    app.get("/health")(lambda: JSONResponse({"error": "dead"}, status_code=503))
+    port = free_port()
+    runner = launch.AppRunner(1.0, "warning")
+    died = time.monotonic()
+    runner.fail(1.0)  # (what the engine's watcher does, before run)
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(runner.run(DeadEngine(), app,
+                                                                       port=port)))
+    thread.start()
+    answers = []
+    while thread.is_alive() and time.monotonic() < died + 0.9:
+        try:
+            answers.append(httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code)
+        except httpx.HTTPError:
+            time.sleep(0.02)
+    thread.join(10)
+    assert 503 in answers and set(answers) == {503}, answers
+    assert status == [1] and time.monotonic() - died >= 1.0
+
+
 def test_kill_9_of_the_server_takes_its_engine_and_sockets_with_it(tiny_model, tmp_path):
     server = ServeProcess(tiny_model("llama-gqa"), tmp=tmp_path)
     try:

@@ -64,6 +64,7 @@ class AppRunner:
         self.access_log = access_log
         self.on_signal = on_signal
         self.failed = threading.Event()
+        self.stop_due = False  # (a stop that came before the server was made)
         self.server: uvicorn.Server | None = None
 
     def on_dead(self) -> None:  # (the engine's watcher thread)
@@ -75,6 +76,7 @@ class AppRunner:
         threading.Timer(delay, self._stop).start()
 
     def _stop(self) -> None:
+        self.stop_due = True
         if self.server is not None:
             self.server.should_exit = True
 
@@ -94,7 +96,7 @@ class AppRunner:
         self.server = Server(uvicorn.Config(app, host=host, port=port, log_level=self.log_level,
                                             access_log=self.access_log,
                                             timeout_graceful_shutdown=self.shutdown_timeout))
-        if self.failed.is_set():  # (it died while the server was being made)
+        if self.stop_due:  # (its time came while the server was being made)
             self._stop()
         try:
             self.server.run(sockets=None if sock is None else [sock])
