@@ -67,6 +67,14 @@ class EngineReplica:
         self.metrics.watch(self.engine.load)
         self.block_size = config.block_size
 
+    def __del__(self) -> None:
+        """Ray Serve calls this as it stops the replica gracefully: the engine
+        process stops with it, and its sockets' directory goes (a replica
+        killed outright leaves that to the engine, which follows its parent)."""
+        engine = getattr(self, "engine", None)  # (None: the constructor failed)
+        if engine is not None:
+            engine.shutdown()
+
     def describe(self, **_: Any) -> ReplicaDescription:
         return ReplicaDescription(self.engine.model_info, self.engine.tokenizer, self.block_size)
 
