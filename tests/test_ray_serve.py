@@ -304,3 +304,24 @@ def test_a_killed_replica(deployment):
     assert answer["choices"][0]["finish_reason"] == "length"
     assert answer["usage"]["completion_tokens"] == 450
     assert complete(deployment, "after the failure", max_tokens=3)["usage"]["completion_tokens"] == 3
+
+
+def test_a_replica_stopped_gracefully_stops_its_engine(tiny_model, tmp_path, monkeypatch):
+    """What Ray Serve calls as it stops a replica gracefully (``__del__``) stops
+    the replica's engine process and removes its sockets' directory."""
+    import tempfile
+
+    from inflight.ray.replica import EngineReplica
+
+    from test_engine_process import gone
+
+    def sockets_dirs() -> list[str]:
+        return [p.name for p in tmp_path.iterdir() if p.name.startswith("inflight-")]
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    replica = EngineReplica(EngineConfig(model=str(tiny_model("llama-gqa")), dtype="float32",
+                                         kv_cache_memory="8MiB"), ReplicaOptions())
+    pid = replica.engine.pid
+    assert len(sockets_dirs()) == 1
+    replica.__del__()
+    assert gone(pid, 10) and sockets_dirs() == []
