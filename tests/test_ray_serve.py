@@ -313,15 +313,12 @@ def test_a_replica_stopped_gracefully_stops_its_engine(tiny_model, tmp_path, mon
 
     from inflight.ray.replica import EngineReplica
 
-    from test_engine_process import gone
-
-    def sockets_dirs() -> list[str]:
-        return [p.name for p in tmp_path.iterdir() if p.name.startswith("inflight-")]
+    from test_engine_process import gone, sockets_dirs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     replica = EngineReplica(EngineConfig(model=str(tiny_model("llama-gqa")), dtype="float32",
                                          kv_cache_memory="8MiB"), ReplicaOptions())
     pid = replica.engine.pid
-    assert len(sockets_dirs()) == 1
+    assert len(sockets_dirs(tmp_path)) == 1
     replica.__del__()
-    assert gone(pid, 10) and sockets_dirs() == []
+    assert gone(pid, 10) and sockets_dirs(tmp_path) == []
